@@ -1,0 +1,12 @@
+"""autoflash: a code-generating autotuner for Triton flash-attention kernels.
+
+    import autoflash
+    out = autoflash.attention(q, k, v, is_causal=True)            # SDPA form, (B, H, N, D)
+    out = autoflash.flash_attn_func(q, k, v, causal=True)          # flash-attn form, (B, N, H, D)
+"""
+
+__version__ = "0.1.0"
+
+from autoflash.api import attention, flash_attn_func  # noqa: E402
+
+__all__ = ["attention", "flash_attn_func", "__version__"]

@@ -1,0 +1,188 @@
+"""Public functions: `attention` (torch SDPA form) and `flash_attn_func` (flash-attn form).
+
+This module validates inputs, decides between the autoflash kernel and a torch SDPA fallback,
+and lays out outputs. Kernel choice and launch live in `dispatch`; kernels in `templates/`.
+
+Fallbacks (cases the kernels do not cover) go to torch SDPA with one warning per reason, never
+silently; with AUTOFLASH_STRICT=1 each fallback raises `FallbackError` instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+
+from autoflash.problem import interpreter_enabled
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+class FallbackWarning(UserWarning):
+    """autoflash handed a call to torch SDPA (the reason is in the message)."""
+
+
+class FallbackError(RuntimeError):
+    """Raised instead of a fallback when AUTOFLASH_STRICT=1."""
+
+
+_warned_reasons: set[str] = set()
+
+
+def _fallback(reason: str) -> None:
+    if os.environ.get("AUTOFLASH_STRICT", "0") not in ("", "0"):
+        raise FallbackError(f"autoflash cannot run this call on its kernels: {reason} "
+                            "(AUTOFLASH_STRICT=1 turns fallbacks into errors)")
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        warnings.warn(f"autoflash: falling back to torch SDPA: {reason}", FallbackWarning, stacklevel=4)
+
+
+def _validate(q, k, v, names: tuple[str, str, str], layout: str) -> None:
+    """Raise ValueError for malformed input. `layout` names the expected 4-D shape."""
+    for t, name in zip((q, k, v), names):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+    qn, kn, vn = names
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{qn}, {kn}, {vn} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{kn} and {vn} must agree in batch, heads and seqlen {layout}, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"{qn} and {kn} must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"{qn} and {kn} must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
+
+
+def _check_heads(hq: int, hkv: int, gqa_allowed: bool, qn: str, kn: str) -> None:
+    if hq == hkv:
+        return
+    if not gqa_allowed:
+        raise ValueError(f"{qn} has {hq} heads but {kn} has {hkv}: pass enable_gqa=True for grouped-query attention")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{qn} heads ({hq}) must be a multiple of {kn} heads ({hkv}) for grouped-query attention")
+
+
+def _unsupported_reason(q, k, v, attn_mask, dropout_p) -> str | None:
+    """Why the kernels cannot take this (valid) call, or None when they can."""
+    if attn_mask is not None:
+        return "an explicit attn_mask is not supported by the kernels"
+    if dropout_p > 0.0:
+        return "dropout_p > 0 is not supported by the kernels"
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32 are)"
+    if q.device.type != "cuda" and not interpreter_enabled():
+        return f"{q.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)"
+    if interpreter_enabled() and q.dtype == torch.bfloat16:
+        return "bfloat16 is not computed correctly by Triton's CPU interpreter"
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:
+        return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
+    if d > MAX_HEAD_DIM or d % 8:
+        return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        if torch.is_grad_enabled():
+            return "the backward pass is not implemented yet (inputs require grad)"
+    if min(q.shape[2], k.shape[2]) == 0:
+        return "an empty sequence"
+    return None
+
+
+def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scale: float | None = None,
+                     out: torch.Tensor | None = None):
+    """Run the kernel directly. q: (B, H, Nq, D), k/v: (B, H_kv, Nk, D), any strides.
+
+    Returns (out (B, H, Nq, D), lse (B, H, Nq) float32, natural log). Key j is visible to query i
+    iff j <= i + causal_offset when causal. Rows that see no key get out = 0 and lse = +inf.
+    No validation or fallback: the public functions do that.
+    """
+    from autoflash.dispatch import get_dispatcher
+
+    b, h, nq, d = q.shape
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
+    sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    get_dispatcher().forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
+    return out, lse
+
+
+def _sdpa_fallback(q, k, v, attn_mask, dropout_p, causal, causal_offset, scale):
+    """torch SDPA on (B, H, N, D) tensors, with bottom-right causal expressed as a mask."""
+    import torch.nn.functional as F
+
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # portable GQA (enable_gqa is not supported by every backend)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if causal and causal_offset != 0:
+        nq, nk = q.shape[2], k.shape[2]
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        mask = j <= i + causal_offset
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        return out.masked_fill(~mask.any(dim=1)[:, None], 0.0)  # rows with no visible key: 0, as flash-attn
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=causal, scale=scale)
+
+
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Drop-in for `torch.nn.functional.scaled_dot_product_attention`.
+
+    Args:
+        query: (batch_size, nheads, seqlen_q, headdim)
+        key: (batch_size, nheads_kv, seqlen_k, headdim); nheads_kv divides nheads when enable_gqa
+        value: (batch_size, nheads_kv, seqlen_k, headdim)
+        attn_mask: must be None for the kernels (anything else falls back to torch SDPA)
+        dropout_p: must be 0.0 for the kernels (falls back otherwise)
+        is_causal: causal mask aligned top-left, as SDPA (query i sees keys j <= i)
+        scale: softmax scale, default 1/sqrt(headdim)
+        enable_gqa: allow nheads_kv < nheads (grouped-query attention)
+    Returns:
+        (batch_size, nheads, seqlen_q, headdim), contiguous, dtype of query.
+    """
+    layout = "(batch, heads, seqlen, head_dim)"
+    _validate(query, key, value, ("query", "key", "value"), layout)
+    _check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
+    reason = _unsupported_reason(query, key, value, attn_mask, dropout_p)
+    if reason is not None:
+        _fallback(reason)
+        return _sdpa_fallback(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
+    return forward_with_lse(query, key, value, causal=is_causal, causal_offset=0, scale=scale)[0]
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+    """Drop-in for flash-attn's `flash_attn_func` (forward).
+
+    Args:
+        q: (batch_size, seqlen_q, nheads, headdim)
+        k: (batch_size, seqlen_k, nheads_k, headdim); nheads_k divides nheads (MQA/GQA)
+        v: (batch_size, seqlen_k, nheads_k, headdim)
+        dropout_p: must be 0.0 for the kernels (falls back to torch SDPA otherwise)
+        softmax_scale: default 1/sqrt(headdim)
+        causal: causal mask aligned bottom-right, as flash-attn: query i sees keys
+            j <= i + seqlen_k - seqlen_q; a query row that sees no key returns 0
+    Returns:
+        out: (batch_size, seqlen_q, nheads, headdim), contiguous.
+    """
+    layout = "(batch, seqlen, heads, head_dim)"
+    _validate(q, k, v, ("q", "k", "v"), layout)
+    _check_heads(q.shape[2], k.shape[2], True, "q", "k")
+    # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    offset = k.shape[1] - q.shape[1]
+    reason = _unsupported_reason(qt, kt, vt, None, dropout_p)
+    if reason is not None:
+        _fallback(reason)
+        return _sdpa_fallback(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    forward_with_lse(qt, kt, vt, causal=causal, causal_offset=offset, scale=softmax_scale, out=out.transpose(1, 2))
+    return out

@@ -1,0 +1,150 @@
+"""Benchmarks: autoflash (dispatched and default) vs torch SDPA backends, in one process and run.
+
+Timings are interleaved: each round times every method once per shape, and the reported value
+is the median over rounds of do_bench medians, so slow drift hits all methods alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Callable
+
+import torch
+
+from autoflash import codegen
+from autoflash.measure import SDPA_BACKENDS, bench_ms, causal_offset_for, make_inputs, tflops
+from autoflash.problem import Shape, geomean
+from autoflash.space import Variant
+
+
+@dataclasses.dataclass
+class BenchRow:
+    shape: Shape
+    ms: dict  # method -> median ms (NaN when the method refused the shape)
+
+    def tflops(self, method: str) -> float:
+        return tflops(self.shape, self.ms.get(method, float("nan")))
+
+    def ratio(self, method: str, base: str) -> float:
+        a, b = self.tflops(method), self.tflops(base)
+        return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else float("nan")
+
+
+def _variant_fn(variant: Variant, shape: Shape, q, k, v) -> Callable[[], None]:
+    from autoflash.dispatch import ensure_allocator, tma_compatible
+
+    module = codegen.load(variant)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    if module.LOADS == "tma":
+        if not tma_compatible(q, k, v, out):
+            raise ValueError("TMA variant on TMA-incompatible tensors")
+        ensure_allocator()
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    off = causal_offset_for(shape, "top_left")
+    return lambda: module.launch(q, k, v, out, lse, scale, shape.causal, off)
+
+
+def _sdpa_fn(backend: str, shape: Shape, q, k, v) -> Callable[[], None] | None:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    gqa = shape.heads_q != shape.heads_kv
+
+    def fn():
+        with sdpa_kernel([which]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return None
+    return fn
+
+
+def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,
+              rep_ms: float = 50, sdpa: tuple = SDPA_BACKENDS, progress: Callable[[str], None] | None = None
+              ) -> list[BenchRow]:
+    """Time each named variant chooser and each SDPA backend on every shape (GPU only)."""
+    rows = []
+    for shape in shapes:
+        if progress:
+            progress(shape.label())
+        q, k, v = make_inputs(shape, "cuda", seed=7)
+        fns = {name: _variant_fn(choose(shape), shape, q, k, v) for name, choose in variants.items()}
+        for backend in sdpa:
+            fn = _sdpa_fn(backend, shape, q, k, v)
+            if fn is not None:
+                fns[f"sdpa_{backend}"] = fn
+        samples = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                samples[name].append(bench_ms(fn, warmup_ms=10, rep_ms=rep_ms))
+        ms = {name: statistics.median(s) for name, s in samples.items()}
+        for backend in sdpa:
+            ms.setdefault(f"sdpa_{backend}", float("nan"))
+        rows.append(BenchRow(shape, ms))
+        del q, k, v
+    return rows
+
+
+def summary(rows: list[BenchRow], methods: list[str], base: str = "sdpa_cudnn") -> dict:
+    """Geomean TFLOP/s per method and geomean ratio to `base`."""
+    return {m: (geomean([r.tflops(m) for r in rows]), geomean([r.ratio(m, base) for r in rows]))
+            for m in methods}
+
+
+def rich_table(rows: list[BenchRow], methods: list[str], title: str, base: str = "sdpa_cudnn"):
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("shape")
+    for m in methods:
+        t.add_column(f"{m}\nTFLOP/s", justify="right")
+    for m in methods:
+        if m != base:
+            t.add_column(f"{m}\n/ {base}", justify="right")
+    for r in rows:
+        t.add_row(r.shape.label(), *(f"{r.tflops(m):.0f}" for m in methods),
+                  *(f"{r.ratio(m, base):.2f}" for m in methods if m != base))
+    s = summary(rows, methods, base)
+    t.add_row("[bold]geomean[/]", *(f"[bold]{s[m][0]:.0f}[/]" for m in methods),
+              *(f"[bold]{s[m][1]:.3f}[/]" for m in methods if m != base))
+    return t
+
+
+def markdown_table(rows: list[BenchRow], methods: list[str], base: str = "sdpa_cudnn") -> str:
+    head = ["shape", *(f"{m} TFLOP/s" for m in methods), *(f"{m}/{base}" for m in methods if m != base)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([r.shape.label(), *(f"{r.tflops(m):.0f}" for m in methods),
+                                         *(f"{r.ratio(m, base):.2f}" for m in methods if m != base)]) + " |")
+    s = summary(rows, methods, base)
+    lines.append("| **geomean** | " + " | ".join([*(f"**{s[m][0]:.0f}**" for m in methods),
+                                                 *(f"**{s[m][1]:.3f}**" for m in methods if m != base)]) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[BenchRow], methods: list[str], path: str, title: str) -> None:
+    """Grouped bars of TFLOP/s per shape and method, saved to `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.6), 4.5))
+    for i, m in enumerate(methods):
+        ax.bar([j + i * width for j in range(len(rows))], [r.tflops(m) for r in rows], width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([r.shape.label().replace(" ", "\n", 2) for r in rows], fontsize=6, rotation=90)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,124 @@
+"""Problem key from tensors -> variant -> compiled kernel module -> launch.
+
+The hot path: everything per key (variant choice, module import) is computed once and kept in
+an in-memory table; a call does a dict lookup and a kernel launch. This module never imports
+the tuner, Optuna or the measurement code.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import triton
+
+from autoflash import codegen
+from autoflash.problem import GPUFingerprint, Problem, dtype_name, gpu_fingerprint, interpreter_enabled, seqlen_bucket
+from autoflash.space import Variant, load_space
+
+log = logging.getLogger("autoflash")
+
+
+def default_variant(op: str, dtype: str, head_dim: int, has_tma: bool) -> Variant:
+    """The built-in variant used when nothing is tuned for a problem (a sane Hopper-ish choice)."""
+    if op != "fwd":
+        raise ValueError(f"no default variant for op {op!r}")
+    if head_dim <= 64:
+        tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    elif head_dim <= 128:
+        tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    else:
+        tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if dtype == "float32":
+        tiles["num_stages"] = 2
+    return Variant.of(op, dict(
+        tiles, LOADS="tma" if has_tma else "pointer", MASK_MODE="split", KV_ORDER="ascending",
+        GRID_ORDER="m_major", WARP_SPECIALIZE=False))
+
+
+def nearest_valid(preferred: Variant, problem: Problem, device: GPUFingerprint) -> Variant:
+    """`preferred` if the space allows it here, else the valid variant differing in fewest knobs."""
+    space = load_space(preferred.op)
+    if not space.violations(preferred, problem, device):
+        return preferred
+    want = preferred.as_dict()
+    valid = space.valid_variants(problem, device)
+    if not valid:
+        raise RuntimeError(f"the {preferred.op} search space has no valid variant for {problem.key} on {device.name}")
+    return min(valid, key=lambda v: (sum(v[k] != want[k] for k in want), v.json()))
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need a unit last stride and 16-byte aligned base and strides."""
+    for t in tensors:
+        e = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * e) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _allocate_scratch(size: int, alignment: int, stream):
+    """Global scratch for in-kernel tensor descriptors (Triton asks for it at launch)."""
+    device = "cuda" if torch.cuda.is_available() and not interpreter_enabled() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def ensure_allocator() -> None:
+    # The allocator lives in a ContextVar: set it in each thread that launches TMA kernels,
+    # unless the user already installed one.
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_allocate_scratch)
+
+
+class Dispatcher:
+    """Maps a forward call to a kernel module. One per process (see `get_dispatcher`)."""
+
+    def __init__(self):
+        self._table: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    def problem_for(self, q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd") -> Problem:
+        return Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
+                       gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(q.shape[2]),
+                       seqlen_k=seqlen_bucket(k.shape[2]))
+
+    def variant_for(self, problem: Problem, device: GPUFingerprint, tma_ok: bool) -> Variant:
+        preferred = default_variant(problem.op, problem.dtype, problem.head_dim, device.cc_major >= 9)
+        if preferred["LOADS"] == "tma" and not tma_ok:
+            preferred = preferred.replace(LOADS="pointer", WARP_SPECIALIZE=False)
+        return nearest_valid(preferred, problem, device)
+
+    def module_for(self, q, k, v, o, causal: bool):
+        device_index = q.device.index if q.is_cuda else None
+        tma_ok = tma_compatible(q, k, v, o)
+        key = (q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1], seqlen_bucket(q.shape[2]),
+               seqlen_bucket(k.shape[2]), device_index, tma_ok)
+        module = self._table.get(key)
+        if module is None:
+            with self._lock:
+                device = gpu_fingerprint(device_index)
+                problem = self.problem_for(q, k, causal)
+                variant = self.variant_for(problem, device, tma_ok)
+                log.debug("autoflash: %s -> %s", problem.key, variant.json())
+                module = codegen.load(variant)
+                self._table[key] = module
+        return module
+
+    def forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int) -> None:
+        module = self.module_for(q, k, v, o, causal)
+        if module.LOADS == "tma":
+            ensure_allocator()
+        module.launch(q, k, v, o, lse, sm_scale, causal, causal_offset)
+
+
+_dispatcher: Dispatcher | None = None
+
+
+def get_dispatcher() -> Dispatcher:
+    global _dispatcher
+    if _dispatcher is None:
+        _dispatcher = Dispatcher()
+    return _dispatcher

@@ -1,0 +1,29 @@
+"""Package data: templates, search spaces and the shipped databases.
+
+In a wheel they live in `autoflash/_data/<folder>/` (hatchling force-include); in a source
+checkout or an editable install they are the top-level `templates/`, `search_spaces/` and
+`cache/` folders. Both are read through `importlib.resources`-style paths.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import pathlib
+
+FOLDERS = ("templates", "search_spaces", "cache")
+
+
+def data_dir(folder: str) -> pathlib.Path:
+    if folder not in FOLDERS:
+        raise ValueError(f"unknown data folder {folder!r}")
+    packaged = importlib.resources.files("autoflash") / "_data" / folder
+    if packaged.is_dir():
+        return pathlib.Path(str(packaged))
+    return pathlib.Path(__file__).resolve().parent.parent / folder
+
+
+def read_text(folder: str, name: str) -> str:
+    path = data_dir(folder) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"autoflash data file {folder}/{name} not found (looked in {path.parent})")
+    return path.read_text(encoding="utf-8")

@@ -1,0 +1,164 @@
+"""Public API: correctness through autoflash.attention / flash_attn_func, validation, fallbacks."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autoflash
+from autoflash import api
+from autoflash.measure import reference, rel_error
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    api._warned_reasons.clear()
+    yield
+
+
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
+SHAPES = [
+    (2, 2, 2, 37, 37, 64, False),
+    (1, 4, 2, 113, 17, 80, True),
+    (1, 4, 1, 17, 113, 128, True),
+    (2, 2, 2, 1, 64, 64, True),
+    (1, 2, 2, 64, 1, 32, False),
+    (1, 3, 3, 61, 61, 96, True),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_attention_matches_reference(shape, dtype, strict):
+    b, hq, hkv, nq, nk, d, causal = shape
+    q, k, v = rand(b, hq, nq, d, dtype=dtype, seed=1), rand(b, hkv, nk, d, dtype=dtype, seed=2), rand(b, hkv, nk, d, dtype=dtype, seed=3)
+    out = autoflash.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+    assert out.shape == (b, hq, nq, d) and out.dtype == dtype and out.is_contiguous()
+    ref, _ = reference(q, k, v, causal, 0, 1 / math.sqrt(d))
+    assert rel_error(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_flash_attn_func_matches_reference(shape, dtype, strict):
+    b, hq, hkv, nq, nk, d, causal = shape
+    q, k, v = rand(b, nq, hq, d, dtype=dtype, seed=4), rand(b, nk, hkv, d, dtype=dtype, seed=5), rand(b, nk, hkv, d, dtype=dtype, seed=6)
+    out = autoflash.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3)
+    assert out.shape == (b, nq, hq, d) and out.is_contiguous()
+    # flash-attn aligns causal bottom-right: query i sees keys j <= i + nk - nq; empty rows are 0.
+    ref, _ = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, nk - nq, 0.3)
+    assert rel_error(out.transpose(1, 2), ref) <= TOL[dtype]
+
+
+@pytest.mark.interpreter
+def test_forward_with_lse_returns_log_sum_exp(strict):
+    q, k, v = rand(1, 2, 37, 64, seed=7), rand(1, 2, 53, 64, seed=8), rand(1, 2, 53, 64, seed=9)
+    out, lse = api.forward_with_lse(q, k, v, causal=True, causal_offset=53 - 37)
+    ref, ref_lse = reference(q, k, v, True, 53 - 37, 1 / 8)
+    assert lse.shape == (1, 2, 37) and lse.dtype == torch.float32
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+@pytest.mark.interpreter
+def test_attention_matches_torch_sdpa(strict):
+    q, k, v = rand(2, 4, 45, 64, seed=10), rand(2, 4, 45, 64, seed=11), rand(2, 4, 45, 64, seed=12)
+    for causal in (False, True):
+        ours = autoflash.attention(q, k, v, is_causal=causal, scale=0.2)
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.2)
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(q=rand(2, 8, 4), k=rand(2, 2, 8, 4), v=rand(2, 2, 8, 4)), "query must be 4-D"),
+    (dict(q=rand(2, 2, 8, 4), k=rand(2, 2, 8, 4, dtype=torch.float16), v=rand(2, 2, 8, 4)), "one dtype"),
+    (dict(q=rand(2, 2, 8, 4), k=rand(2, 2, 8, 4), v=rand(2, 2, 9, 4)), "key and value must agree"),
+    (dict(q=rand(2, 2, 8, 4), k=rand(3, 2, 8, 4), v=rand(3, 2, 8, 4)), "batch size"),
+    (dict(q=rand(2, 2, 8, 4), k=rand(2, 2, 8, 8), v=rand(2, 2, 8, 8)), "head dim"),
+    (dict(q=rand(2, 4, 8, 8), k=rand(2, 2, 8, 8), v=rand(2, 2, 8, 8)), "enable_gqa=True"),
+])
+def test_attention_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        autoflash.attention(kwargs["q"], kwargs["k"], kwargs["v"])
+
+
+def test_gqa_heads_must_divide():
+    with pytest.raises(ValueError, match="multiple of"):
+        autoflash.attention(rand(1, 6, 8, 8), rand(1, 4, 8, 8), rand(1, 4, 8, 8), enable_gqa=True)
+    with pytest.raises(ValueError, match="multiple of"):
+        autoflash.flash_attn_func(rand(1, 8, 6, 8), rand(1, 8, 4, 8), rand(1, 8, 4, 8))
+
+
+def test_flash_attn_func_names_its_layout():
+    with pytest.raises(ValueError, match=r"\(batch, seqlen, heads, head_dim\)"):
+        autoflash.flash_attn_func(rand(8, 2, 8), rand(8, 2, 8), rand(8, 2, 8))
+
+
+# ----------------------------------------------------------------------------- fallbacks
+def test_attn_mask_falls_back_once_with_a_warning():
+    q, k, v = rand(1, 2, 16, 32, seed=1), rand(1, 2, 16, 32, seed=2), rand(1, 2, 16, 32, seed=3)
+    mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(0)) > 0.3
+    with pytest.warns(api.FallbackWarning, match="attn_mask"):
+        out = autoflash.attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason warns only once
+        autoflash.attention(q, k, v, attn_mask=mask)
+
+
+def test_strict_mode_turns_fallback_into_error(strict):
+    q = rand(1, 2, 16, 32)
+    with pytest.raises(api.FallbackError, match="dropout"):
+        autoflash.attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(api.FallbackError, match="head dim"):
+        autoflash.attention(rand(1, 2, 16, 12), rand(1, 2, 16, 12), rand(1, 2, 16, 12))
+
+
+def test_cpu_tensors_without_interpreter_fall_back(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = rand(1, 2, 16, 32, seed=1), rand(1, 2, 16, 32, seed=2), rand(1, 2, 16, 32, seed=3)
+    with pytest.warns(api.FallbackWarning, match="need a CUDA GPU"):
+        out = autoflash.attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_fallback_keeps_flash_attn_causal_alignment(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = rand(1, 7, 2, 32, seed=1), rand(1, 4, 2, 32, seed=2), rand(1, 4, 2, 32, seed=3)
+    with pytest.warns(api.FallbackWarning):
+        out = autoflash.flash_attn_func(q, k, v, causal=True)
+    ref, _ = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, 4 - 7, 1 / math.sqrt(32))
+    assert rel_error(out.transpose(1, 2), ref) < 1e-5
+    assert (out[:, :3] == 0).all()  # rows that see no key
+
+
+@pytest.mark.interpreter
+def test_bf16_in_interpreter_falls_back_never_wrong():
+    q = rand(1, 2, 16, 32, dtype=torch.bfloat16)
+    with pytest.warns(api.FallbackWarning, match="bfloat16"):
+        out = autoflash.attention(q, q, q)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q))
+
+
+def test_requires_grad_falls_back_until_backward_exists():
+    q = rand(1, 2, 16, 32).requires_grad_()
+    with pytest.warns(api.FallbackWarning, match="backward"):
+        out = autoflash.attention(q, q, q)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

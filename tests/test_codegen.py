@@ -1,0 +1,44 @@
+"""Codegen: render to a file in the kernel cache, import, reuse in this and the next process."""
+
+import os
+import subprocess
+import sys
+
+from autoflash import codegen, resources
+from autoflash.dispatch import default_variant
+
+
+def test_data_files_are_found():
+    assert (resources.data_dir("templates") / "attn_fwd.py.jinja").is_file()
+    assert (resources.data_dir("search_spaces") / "attn_fwd.toml").is_file()
+
+
+def test_load_writes_file_and_reuses_module():
+    v = default_variant("fwd", "float16", 64, has_tma=False)
+    m1 = codegen.load(v)
+    path = codegen.source_path(v)
+    assert path.is_file() and path.parent == codegen.kernel_cache_dir()
+    assert path.read_text() == codegen.render(v)
+    assert codegen.load(v) is m1
+    assert callable(m1.launch) and m1.BLOCK_M == v["BLOCK_M"]
+
+
+def test_next_process_reuses_the_cached_file():
+    v = default_variant("fwd", "float16", 128, has_tma=False)
+    codegen.load(v)
+    path = codegen.source_path(v)
+    before = path.stat().st_mtime_ns
+    code = ("from autoflash import codegen; from autoflash.dispatch import default_variant; "
+            "v = default_variant('fwd', 'float16', 128, has_tma=False); m = codegen.load(v); "
+            "print(m.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ})
+    assert out.stdout.strip() == str(path)
+    assert path.stat().st_mtime_ns == before  # not rewritten
+
+
+def test_variant_hash_depends_on_template_and_variant():
+    a = default_variant("fwd", "float16", 64, has_tma=False)
+    b = a.replace(BLOCK_N=32)
+    assert codegen.variant_hash(a) != codegen.variant_hash(b)
+    assert len(codegen.template_hash("fwd")) == 16

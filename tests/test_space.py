@@ -1,0 +1,110 @@
+"""Search space: declared knobs, constraint pruning, variant validation, rendering."""
+
+import dataclasses
+
+import pytest
+
+from autoflash import codegen
+from autoflash.problem import GPUFingerprint, Problem
+from autoflash.space import InvalidVariant, compile_expression, load_space, parse_space
+
+HOPPER = GPUFingerprint("H200-like", 9, 0, 132, 232448, "t", "t", "c", "a")
+AMPERE = dataclasses.replace(HOPPER, name="A100-like", cc_major=8, smem_per_block=166912)
+
+
+def problem(head_dim=128, causal=False, dtype="bfloat16"):
+    return Problem("fwd", dtype, head_dim, causal, 1, 4096, 4096)
+
+
+def test_space_declares_every_template_knob():
+    sp = load_space("fwd")
+    assert set(sp.knobs) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "LOADS", "MASK_MODE",
+                             "KV_ORDER", "GRID_ORDER", "WARP_SPECIALIZE"}
+    assert sp.size == len(list(sp.all_variants()))
+
+
+def test_constraints_prune_before_compiling():
+    sp = load_space("fwd")
+    valid = sp.valid_variants(problem(), HOPPER)
+    assert 0 < len(valid) < sp.size
+    # Measured on an H200: D=128, 128x128 tiles, warp specialization, 3 stages need 262 KB > 232 KB.
+    too_big = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, LOADS="tma", MASK_MODE="split",
+                   KV_ORDER="ascending", GRID_ORDER="m_major", WARP_SPECIALIZE=True)
+    with pytest.raises(InvalidVariant, match="smem"):
+        sp.validate(too_big, problem(), HOPPER)
+    sp.validate(dict(too_big, num_stages=2, BLOCK_N=64), problem(), HOPPER)
+
+
+def test_tma_needs_hopper_and_diagonal_order_needs_causal():
+    sp = load_space("fwd")
+    v = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, LOADS="tma", MASK_MODE="split",
+             KV_ORDER="ascending", GRID_ORDER="m_major", WARP_SPECIALIZE=False)
+    sp.validate(v, problem(), HOPPER)
+    with pytest.raises(InvalidVariant, match="tma_needs_hopper"):
+        sp.validate(v, problem(), AMPERE)
+    assert all(x["LOADS"] != "tma" for x in sp.valid_variants(problem(), AMPERE))
+    with pytest.raises(InvalidVariant, match="kv_order"):
+        sp.validate(dict(v, KV_ORDER="diagonal_first"), problem(causal=False), HOPPER)
+    sp.validate(dict(v, KV_ORDER="diagonal_first"), problem(causal=True), HOPPER)
+
+
+def test_large_head_dim_limits_tiles():
+    sp = load_space("fwd")
+    valid = sp.valid_variants(problem(head_dim=256), HOPPER)
+    assert valid and all(v["BLOCK_N"] <= 64 and v["BLOCK_M"] <= 64 for v in valid)
+
+
+@pytest.mark.parametrize("values, match", [
+    ({"BLOCK_M": 65}, "not a declared choice"),
+    ({"NOT_A_KNOB": 1}, "unknown knob"),
+    ({"LOADS": "tma\nimport os; os.system('x')"}, "not a declared choice"),
+    ({"WARP_SPECIALIZE": 1}, "not a declared choice"),  # 1 is not the declared bool
+])
+def test_undeclared_values_are_rejected(values, match):
+    sp = load_space("fwd")
+    base = next(iter(sp.all_variants())).as_dict()
+    with pytest.raises(InvalidVariant, match=match):
+        sp.check_declared({**base, **values})
+
+
+def test_missing_knob_is_rejected():
+    sp = load_space("fwd")
+    base = next(iter(sp.all_variants())).as_dict()
+    base.pop("BLOCK_N")
+    with pytest.raises(InvalidVariant, match="missing"):
+        sp.check_declared(base)
+
+
+@pytest.mark.parametrize("expr", ["__import__('os')", "x.y", "(lambda: 1)()", "open('f')", "[a for a in b]"])
+def test_rule_expressions_are_a_safe_subset(expr):
+    with pytest.raises(ValueError, match="allowed"):
+        compile_expression(expr)
+
+
+def test_bad_rule_fails_at_load():
+    text = 'op = "fwd"\ntemplate = "t"\n[knobs]\nA = [1]\n[[constraints]]\nname = "x"\nrule = "getattr(A, 1)"\n'
+    with pytest.raises(ValueError):
+        parse_space(text)
+
+
+def test_every_constrained_variant_renders_to_python():
+    """Every variant valid for some problem on a Hopper or Ampere GPU renders to valid Python."""
+    sp = load_space("fwd")
+    seen = set()
+    for device in (HOPPER, AMPERE):
+        for hd in (64, 80, 128, 256):
+            for causal in (False, True):
+                for dtype in ("bfloat16", "float32"):
+                    seen.update(sp.valid_variants(problem(hd, causal, dtype), device))
+    assert len(seen) > 300
+    for v in seen:
+        src = codegen.render(v)
+        compile(src, f"<{v.json()}>", "exec")
+        assert f"BLOCK_M = {v['BLOCK_M']}" in src
+
+
+def test_render_refuses_undeclared_values():
+    sp = load_space("fwd")
+    v = next(iter(sp.all_variants())).replace(LOADS="evil")
+    with pytest.raises(InvalidVariant):
+        codegen.render(v)

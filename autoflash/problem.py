@@ -177,9 +177,9 @@ def gpu_fingerprint(device_index: int | None = None) -> GPUFingerprint:
         return GPUFingerprint(name=props.name, cc_major=props.major, cc_minor=props.minor,
                               sm_count=props.multi_processor_count, smem_per_block=int(smem),
                               **versions)
-    # The interpreter has no hardware limits; report Hopper-like numbers so every structural
-    # variant (TMA included) can be checked for correctness on the CPU.
-    return GPUFingerprint(name=f"triton-interpreter ({platform.machine()})", cc_major=9, cc_minor=0,
+    # The interpreter has no hardware limits or compiler bugs; report a recent compute capability
+    # and Hopper's shared memory so every structural variant can be checked on the CPU.
+    return GPUFingerprint(name=f"triton-interpreter ({platform.machine()})", cc_major=10, cc_minor=0,
                           sm_count=1, smem_per_block=232448, **versions)
 
 

@@ -28,8 +28,7 @@ def gpu_sample():
             shape = Shape(2, 8, 8, 1024, 1024, d, causal, "bfloat16")
             valid = space.valid_variants(shape.problem, device)
             tma = [v for v in valid if v["LOADS"] == "tma"]
-            ws = [v for v in tma if v["WARP_SPECIALIZE"]]
-            picked += [(v, d, causal) for v in rng.sample(valid, 3) + rng.sample(tma, 1) + rng.sample(ws, 1)]
+            picked += [(v, d, causal) for v in rng.sample(valid, 3) + rng.sample(tma, 2)]
     return picked
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from autoflash import codegen
-from autoflash.measure import SDPA_BACKENDS, bench_ms, causal_offset_for, make_inputs, tflops
+from autoflash.measure import SDPA_BACKENDS, sdpa_callable, bench_ms, causal_offset_for, make_inputs, tflops
 from autoflash.problem import Shape, geomean
 from autoflash.space import Variant
 
@@ -47,25 +47,6 @@ def _variant_fn(variant: Variant, shape: Shape, q, k, v) -> Callable[[], None]:
     return lambda: module.launch(q, k, v, out, lse, scale, shape.causal, off)
 
 
-def _sdpa_fn(backend: str, shape: Shape, q, k, v) -> Callable[[], None] | None:
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
-    gqa = shape.heads_q != shape.heads_kv
-
-    def fn():
-        with sdpa_kernel([which]):
-            F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
-
-    try:
-        fn()
-        torch.cuda.synchronize()
-    except RuntimeError:
-        return None
-    return fn
-
-
 def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,
               rep_ms: float = 50, sdpa: tuple = SDPA_BACKENDS, progress: Callable[[str], None] | None = None
               ) -> list[BenchRow]:
@@ -77,7 +58,7 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
         q, k, v = make_inputs(shape, "cuda", seed=7)
         fns = {name: _variant_fn(choose(shape), shape, q, k, v) for name, choose in variants.items()}
         for backend in sdpa:
-            fn = _sdpa_fn(backend, shape, q, k, v)
+            fn = sdpa_callable(backend, shape, q, k, v)
             if fn is not None:
                 fns[f"sdpa_{backend}"] = fn
         samples = {name: [] for name in fns}

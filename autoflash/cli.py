@@ -153,6 +153,140 @@ def bench(shapes, rounds, plot_path, md_path):
         console.print(f"plot saved to {plot_path}")
 
 
+class _RichReporter:
+    """Draws tuning progress: a bar over problems and one over the current problem's trials."""
+
+    def __init__(self, progress):
+        self.progress = progress
+        self.problems = None
+        self.trials = None
+
+    def problem_started(self, index, total, shape):
+        if self.problems is None:
+            self.problems = self.progress.add_task("problems", total=total)
+        self.progress.update(self.problems, completed=index, description=f"problem {index + 1}/{total}")
+        if self.trials is not None:
+            self.progress.remove_task(self.trials)
+        self.trials = self.progress.add_task(shape.label(), total=None)
+
+    def trial_done(self, measured, budget, variant, outcome, best_tflops):
+        best = f"best {best_tflops:.1f} TFLOP/s" if best_tflops == best_tflops else "no valid candidate yet"
+        self.progress.update(self.trials, completed=measured, total=budget,
+                             description=f"{best} | last: {outcome.status}")
+
+    def problem_done(self, result):
+        self.progress.advance(self.problems)
+        if result.winner is not None:
+            self.progress.console.print(
+                f"[green]{result.shape.label()}[/]: {result.tflops('tuned'):.1f} TFLOP/s "
+                f"(default {result.tflops('default'):.1f}) after {result.measured} trials, "
+                f"{result.failed} failed; winner {result.winner.short()}")
+        else:
+            self.progress.console.print(f"[red]{result.shape.label()}[/]: {result.status}")
+
+
+def _results_table(results, title):
+    import math
+
+    from autoflash.problem import geomean
+
+    t = Table(title=title)
+    for col in ("problem / shape", "tuned", "default", "cuDNN", "flash", "tuned/cuDNN", "tuned/flash",
+                "tuned/default", "spread", "trials (failed)"):
+        t.add_column(col, justify="left" if col.startswith("problem") else "right")
+    ratios = {"cudnn": [], "flash": [], "default": []}
+    for r in results:
+        tf = {m: r.tflops(m) for m in ("tuned", "default", "sdpa_cudnn", "sdpa_flash")}
+
+        def ratio(a, b):
+            return tf[a] / tf[b] if math.isfinite(tf[a]) and math.isfinite(tf[b]) and tf[b] > 0 else float("nan")
+        rc, rf, rd = ratio("tuned", "sdpa_cudnn"), ratio("tuned", "sdpa_flash"), ratio("tuned", "default")
+        ratios["cudnn"].append(rc)
+        ratios["flash"].append(rf)
+        ratios["default"].append(rd)
+        t.add_row(r.shape.label(), *(f"{tf[m]:.1f}" for m in tf), f"{rc:.2f}", f"{rf:.2f}", f"{rd:.2f}",
+                  f"{r.spread * 100:.1f}%" if r.spread == r.spread else "-", f"{r.measured} ({r.failed})")
+    t.add_row("[bold]geomean[/]", "", "", "", "", *(f"[bold]{geomean(ratios[k]):.3f}[/]" for k in ("cudnn", "flash", "default")), "", "")
+    return t
+
+
+@cli.command()
+@click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune (fwd).")
+@click.option("--shapes", default=None, help="Shape set: standard (default), gqa, tiny (default with --interpret), or a TOML file.")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Override the shape set's dtype.")
+@click.option("--budget", type=float, default=None, help="Time budget for the whole run, in minutes.")
+@click.option("--trials", type=int, default=40, show_default=True, help="Measured candidates per problem.")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None,
+              help="Results DB (default: $AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db).")
+@click.option("--workers", type=int, default=None, help="Parallel compile processes (default: cores - 2, max 12).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
+@click.option("--interpret", is_flag=True,
+              help="Run the whole pipeline on tiny shapes in Triton's CPU interpreter (no GPU; timings are not GPU performance).")
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), help="Also write the final table as Markdown.")
+def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, interpret, md_path):
+    """Tune this GPU: search kernel variants per problem, store the winners.
+
+    Every candidate is checked against a float64 reference before it is timed; failures
+    (compile errors, wrong results, crashes, hangs) are recorded and the run goes on. Interrupt
+    it at any time: finished trials are stored and a re-run resumes.
+
+    Example: autoflash tune --budget 15
+    """
+    import dataclasses
+    import os
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from autoflash import tune as tune_mod
+    from autoflash.problem import gpu_fingerprint, load_shape_set
+    from autoflash.store import Store, StoreError
+
+    op_list = [o.strip() for o in ops.split(",") if o.strip()]
+    unknown = [o for o in op_list if o != "fwd"]
+    if unknown:
+        raise click.ClickException(f"op(s) {unknown} cannot be tuned yet: only 'fwd' exists (the backward pass is not implemented)")
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+        gpu_fingerprint.cache_clear()
+    else:
+        _require_gpu("autoflash tune")
+    shape_list = load_shape_set(shapes or ("tiny" if interpret else "standard"))
+    if dtype:
+        shape_list = [dataclasses.replace(s, dtype=dtype) for s in shape_list]
+    if interpret and any(s.dtype == "bfloat16" for s in shape_list):
+        raise click.ClickException("bfloat16 is not computed correctly by Triton's interpreter: use --dtype float16")
+    options = tune_mod.TuneOptions(trials=trials, budget_s=budget * 60 if budget else None, seed=seed,
+                                   interpret=interpret)
+    if workers:
+        options.compile_workers = workers
+    try:
+        store = Store(db_path)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+    device = gpu_fingerprint()
+    console.print(f"tuning {len(tune_mod.representative_shapes(shape_list))} problems on [bold]{device.name}[/] "
+                  f"(torch {device.torch_version}, triton {device.triton_version}) -> {store.path}")
+    if interpret:
+        console.print("[yellow]interpreter mode: kernels run on the CPU; correctness is real, timings are not "
+                      "GPU performance. A CUDA GPU is needed for real tuning.[/]")
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as progress:
+        results = tune_mod.tune(shape_list, store, options, reporter=_RichReporter(progress),
+                                command=" ".join(["autoflash", *sys.argv[1:]]))
+    title = f"forward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
+    if interpret:
+        title += " (interpreter: not GPU performance)"
+    table = _results_table(results, title)
+    console.print(table)
+    if md_path:
+        from rich.console import Console as _Console
+
+        with open(md_path, "w") as f:
+            _Console(file=f, width=200, color_system=None).print(table)
+    counts = store.counts()
+    console.print(f"DB {store.path}: {counts['winners']} winners, {counts['trials']} trials")
+
+
 def main():
     try:
         cli(prog_name="autoflash")

@@ -178,29 +178,10 @@ def time_variant(module, shape: Shape, device, rep_ms: float = 100, align: str =
     if module.LOADS == "tma":
         from autoflash.dispatch import ensure_allocator
         ensure_allocator()
-    return bench_ms(lambda: module.launch(q, k, v, out, lse, scale, shape.causal, off), rep_ms=rep_ms)
+    return _time_callable(lambda: module.launch(q, k, v, out, lse, scale, shape.causal, off), device, rep_ms)
 
 
 SDPA_BACKENDS = ("cudnn", "flash")
-
-
-def time_sdpa(shape: Shape, device, backend: str, rep_ms: float = 100) -> float:
-    """Median ms of torch SDPA with one backend forced; NaN if that backend refuses the shape."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
-    q, k, v = make_inputs(shape, device, seed=1234)
-    gqa = shape.heads_q != shape.heads_kv
-    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)  # noqa: E731
-    try:
-        with sdpa_kernel([which]):
-            fn()
-            torch.cuda.synchronize()
-            return bench_ms(fn, rep_ms=rep_ms)
-    except RuntimeError:
-        return float("nan")
 
 
 def tflops(shape: Shape, ms: float) -> float:
@@ -238,8 +219,102 @@ def evaluate_variant(variant_json: str, op: str, shape: Shape, rep_ms: float, de
     if not gate.passed:
         return Outcome("wrong", err=gate.err, sdpa_err=gate.sdpa_err, message=gate.detail,
                        seconds=time.perf_counter() - t0)
-    ms = time_variant(module, shape, device, rep_ms=rep_ms) if device.type == "cuda" else float("nan")
+    ms = time_variant(module, shape, device, rep_ms=rep_ms)
     return Outcome("ok", ms=ms, err=gate.err, sdpa_err=gate.sdpa_err, seconds=time.perf_counter() - t0)
+
+
+def _gate_and_timing_inputs(shape: Shape, device):
+    """(q, k, v, causal_offset) for every argument configuration the gate and timing launch."""
+    configs = []
+    for i, gs in enumerate(gate_shapes(shape)):
+        q, k, v = make_inputs(gs, device, seed=i, layout="bnhd" if i % 2 else "bhnd")
+        configs.append((q, k, v, causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")))
+    q, k, v = make_inputs(shape, device, seed=1234)
+    configs.append((q, k, v, 0))
+    return configs
+
+
+def compile_variant(variant_json: str, op: str, shape: Shape, rep_ms: float, device_str: str) -> Outcome:
+    """Build a variant's binaries for the gate's and the timing's argument types, without launching
+    (run in parallel on the CPU cores while another process measures on the GPU)."""
+    from autoflash import codegen
+    from autoflash.space import Variant, load_space, parse_variant_json
+
+    t0 = time.perf_counter()
+    variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, variant_json)).as_dict())
+    try:
+        module = codegen.load(variant)
+        if device_str != "cpu":  # the interpreter has nothing to compile
+            from autoflash.dispatch import ensure_allocator
+
+            ensure_allocator()
+            for q, k, v, off in _gate_and_timing_inputs(shape, torch.device(device_str)):
+                out = torch.empty_like(q, memory_format=torch.contiguous_format)
+                lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+                module.launch(q, k, v, out, lse, 1.0, shape.causal, off, compile_only=True)
+    except Exception as e:  # noqa: BLE001
+        text = f"{type(e).__name__}: {e}"
+        return Outcome("compile_error" if _is_compile_error(e, text) else "runtime_error",
+                       message=_short(text), seconds=time.perf_counter() - t0)
+    return Outcome("ok", seconds=time.perf_counter() - t0)
+
+
+def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: float, device_str: str) -> dict:
+    """Interleaved re-measurement: each round times every method once. A method is a variant JSON
+    or 'sdpa_cudnn' / 'sdpa_flash'. Returns {method: [ms per round]} (NaN where a method refused)."""
+    from autoflash import codegen
+    from autoflash.space import Variant, load_space, parse_variant_json
+
+    device = torch.device(device_str)
+    q, k, v = make_inputs(shape, device, seed=99)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=device, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    fns = {}
+    for m in methods:
+        if m.startswith("sdpa_"):
+            if device.type == "cuda":
+                fns[m] = sdpa_callable(m[5:], shape, q, k, v)
+            continue
+        variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, m)).as_dict())
+        module = codegen.load(variant)
+        if module.LOADS == "tma":
+            from autoflash.dispatch import ensure_allocator
+            ensure_allocator()
+        fns[m] = (lambda mod: lambda: mod.launch(q, k, v, out, lse, scale, shape.causal, 0))(module)
+    samples = {m: [] for m in methods}
+    for _ in range(rounds):
+        for m in methods:
+            fn = fns.get(m)
+            samples[m].append(_time_callable(fn, device, rep_ms) if fn else float("nan"))
+    return {"status": "ok", "samples": samples}
+
+
+def _time_callable(fn, device, rep_ms: float) -> float:
+    if device.type == "cuda":
+        return bench_ms(fn, warmup_ms=10, rep_ms=rep_ms)
+    t0 = time.perf_counter()  # the interpreter: wall clock of one call, not GPU performance
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def sdpa_callable(backend: str, shape: Shape, q, k, v):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    gqa = shape.heads_q != shape.heads_kv
+
+    def fn():
+        with sdpa_kernel([which]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return None
+    return fn
 
 
 def _is_compile_error(exc: BaseException, text: str) -> bool:
@@ -254,8 +329,14 @@ def _short(text: str, limit: int = 2000) -> str:
 
 def _worker_main(tasks, results, env: dict) -> None:
     os.environ.update(env)
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the tuner died (e.g. kill -9): do not linger
+                return
+            continue
         if task is None:
             return
         fn, args = task
@@ -263,8 +344,8 @@ def _worker_main(tasks, results, env: dict) -> None:
             outcome = fn(*args)
         except BaseException as e:  # noqa: BLE001
             outcome = Outcome("runtime_error", message=_short(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        results.put(dataclasses.asdict(outcome))
-        if outcome.status == "runtime_error" and "illegal" in outcome.message.lower():
+        results.put(outcome if isinstance(outcome, dict) else dataclasses.asdict(outcome))
+        if isinstance(outcome, Outcome) and outcome.status == "runtime_error" and "illegal" in outcome.message.lower():
             return  # a CUDA context after an illegal access is unusable: let the parent restart us
 
 
@@ -312,7 +393,7 @@ class Sandbox:
         while True:
             try:
                 result = self._results.get(timeout=0.2)
-                out = Outcome(**result)
+                out = result if "samples" in result else Outcome(**result)
                 if not (self._proc and self._proc.is_alive()):
                     self._proc = None
                 return out

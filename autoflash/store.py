@@ -1,0 +1,213 @@
+"""The results database (SQLite through sqlite-utils): schema, migrations, writes, queries.
+
+Tables (open them with `sqlite-utils tables autoflash.db --counts` or datasette):
+  gpus      one row per GPU fingerprint key (name, compute capability, SMs, versions)
+  runs      one row per `autoflash tune` invocation (started, finished, status, command)
+  trials    every measured candidate: problem, variant, status, median ms, spread, TFLOP/s, error
+  winners   the chosen variant per (GPU key, problem key, template hash), with its numbers
+  _meta     schema_version; `_migrations` lists the named migrations applied
+
+WAL mode and a busy timeout let several tuners write one file at once without losing rows.
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import pathlib
+import sqlite3
+import time
+from typing import Iterable
+
+import sqlite_utils
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 30_000
+
+
+class StoreError(RuntimeError):
+    """A database that cannot be used (corrupt, foreign schema version, unreadable)."""
+
+
+def default_db_path() -> pathlib.Path:
+    """$AUTOFLASH_DB, else $XDG_CACHE_HOME/autoflash/autoflash.db, else ~/.cache/autoflash/autoflash.db."""
+    if os.environ.get("AUTOFLASH_DB"):
+        return pathlib.Path(os.environ["AUTOFLASH_DB"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "autoflash" / "autoflash.db"
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------- migrations
+def _m001_initial(db: sqlite_utils.Database) -> None:
+    db["gpus"].create({"gpu_key": str, "name": str, "cc_major": int, "cc_minor": int, "sm_count": int,
+                       "smem_per_block": int, "torch_version": str, "triton_version": str,
+                       "cuda_version": str, "autoflash_version": str}, pk="gpu_key", if_not_exists=True)
+    db["runs"].create({"id": int, "gpu_key": str, "started_at": str, "finished_at": str, "status": str,
+                       "command": str, "problems": int, "trials": int}, pk="id", if_not_exists=True)
+    db["trials"].create({
+        "id": int, "run_id": int, "gpu_key": str, "problem": str, "op": str, "dtype": str, "head_dim": int,
+        "causal": int, "gqa_group": int, "seqlen_q": int, "seqlen_k": int, "template_hash": str,
+        "variant": str, "status": str, "median_ms": float, "spread": float, "tflops": float,
+        "err": float, "sdpa_err": float, "message": str, "seconds": float, "shape": str, "created_at": str,
+    }, pk="id", foreign_keys=[("run_id", "runs", "id"), ("gpu_key", "gpus", "gpu_key")], if_not_exists=True)
+    db["trials"].create_index(["gpu_key", "problem", "template_hash", "variant"], if_not_exists=True)
+    db["winners"].create({
+        "gpu_key": str, "problem": str, "template_hash": str, "op": str, "dtype": str, "head_dim": int,
+        "causal": int, "gqa_group": int, "seqlen_q": int, "seqlen_k": int, "variant": str,
+        "median_ms": float, "spread": float, "tflops": float, "default_ms": float, "sdpa_cudnn_ms": float,
+        "sdpa_flash_ms": float, "trials": int, "run_id": int, "shape": str, "updated_at": str,
+    }, pk=("gpu_key", "problem", "template_hash"), foreign_keys=[("gpu_key", "gpus", "gpu_key")],
+        if_not_exists=True)
+
+
+MIGRATIONS = [("001_initial", _m001_initial)]
+
+
+def _apply_migrations(db: sqlite_utils.Database) -> None:
+    db["_migrations"].create({"name": str, "applied_at": str}, pk="name", if_not_exists=True)
+    db["_meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+    done = {r["name"] for r in db["_migrations"].rows}
+    for name, fn in MIGRATIONS:
+        if name in done:
+            continue
+        with db.conn:
+            fn(db)
+            db["_migrations"].insert({"name": name, "applied_at": now()}, replace=True)
+    db["_meta"].upsert({"key": "schema_version", "value": str(SCHEMA_VERSION)}, pk="key")
+
+
+def schema_version(db: sqlite_utils.Database) -> int | None:
+    if "_meta" not in db.table_names():
+        return None
+    row = db.execute("select value from _meta where key = 'schema_version'").fetchone()
+    return int(row[0]) if row else None
+
+
+# --------------------------------------------------------------------------- the store
+class Store:
+    """A results database file. `readonly=True` never creates or migrates (for shipped DBs)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, readonly: bool = False):
+        self.path = pathlib.Path(path) if path else default_db_path()
+        self.readonly = readonly
+        try:
+            if readonly:
+                if not self.path.is_file():
+                    raise StoreError(f"no database at {self.path}")
+                conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000)
+            self.db = sqlite_utils.Database(conn)
+            self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            version = schema_version(self.db)
+            if version is not None and version > SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has schema version {version}; this autoflash reads up to "
+                                 f"{SCHEMA_VERSION}: upgrade autoflash to use it")
+            if not readonly:
+                self._retry(lambda: self.db.enable_wal())
+                self._retry(lambda: _apply_migrations(self.db))
+            elif version is None:
+                raise StoreError(f"{self.path} is not an autoflash database (no schema version)")
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"cannot use {self.path}: {e}") from None
+
+    def close(self) -> None:
+        self.db.close()
+
+    @staticmethod
+    def _retry(fn, attempts: int = 20):
+        """Run fn, retrying when another writer holds the lock past the busy timeout."""
+        for i in range(attempts):
+            try:
+                return fn()
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) and "busy" not in str(e) or i == attempts - 1:
+                    raise
+                time.sleep(0.05 * (i + 1))
+
+    # ---- writes (each one its own transaction: a kill -9 loses at most the row in flight)
+    def add_gpu(self, fingerprint) -> str:
+        row = {"gpu_key": fingerprint.key, **fingerprint.as_dict()}
+        self._retry(lambda: self.db["gpus"].upsert(row, pk="gpu_key"))
+        return fingerprint.key
+
+    def start_run(self, gpu_key: str, command: str) -> int:
+        def insert():
+            with self.db.conn:
+                return self.db["runs"].insert({"gpu_key": gpu_key, "started_at": now(), "finished_at": None,
+                                               "status": "running", "command": command, "problems": 0,
+                                               "trials": 0}).last_pk
+        return self._retry(insert)
+
+    def finish_run(self, run_id: int, status: str, problems: int, trials: int) -> None:
+        self._retry(lambda: self.db["runs"].update(run_id, {"finished_at": now(), "status": status,
+                                                            "problems": problems, "trials": trials}))
+
+    def add_trial(self, *, run_id, gpu_key, problem, template_hash, variant_json, status, median_ms=None,
+                  spread=None, tflops=None, err=None, sdpa_err=None, message="", seconds=None, shape=None) -> int:
+        row = {"run_id": run_id, "gpu_key": gpu_key, "problem": problem.key, **_problem_cols(problem),
+               "template_hash": template_hash, "variant": variant_json, "status": status,
+               "median_ms": _num(median_ms), "spread": _num(spread), "tflops": _num(tflops), "err": _num(err),
+               "sdpa_err": _num(sdpa_err), "message": message, "seconds": _num(seconds),
+               "shape": json.dumps(shape) if shape is not None else None, "created_at": now()}
+
+        def insert():
+            with self.db.conn:
+                return self.db["trials"].insert(row).last_pk
+        return self._retry(insert)
+
+    def set_winner(self, *, gpu_key, problem, template_hash, variant_json, median_ms, spread, tflops,
+                   trials, run_id=None, default_ms=None, sdpa_cudnn_ms=None, sdpa_flash_ms=None, shape=None) -> None:
+        row = {"gpu_key": gpu_key, "problem": problem.key, "template_hash": template_hash,
+               **_problem_cols(problem), "variant": variant_json, "median_ms": _num(median_ms),
+               "spread": _num(spread), "tflops": _num(tflops), "default_ms": _num(default_ms),
+               "sdpa_cudnn_ms": _num(sdpa_cudnn_ms), "sdpa_flash_ms": _num(sdpa_flash_ms), "trials": trials,
+               "run_id": run_id, "shape": json.dumps(shape) if shape is not None else None, "updated_at": now()}
+        self._retry(lambda: self.db["winners"].upsert(row, pk=("gpu_key", "problem", "template_hash")))
+
+    # ---- reads
+    def trials_for(self, gpu_key: str, problem_key: str, template_hash: str) -> list[dict]:
+        return list(self.db["trials"].rows_where(
+            "gpu_key = ? and problem = ? and template_hash = ?", [gpu_key, problem_key, template_hash],
+            order_by="id"))
+
+    def winners(self, gpu_key: str | None = None, op: str | None = None, head_dim: int | None = None,
+                template_hash: str | None = None) -> list[dict]:
+        where, args = [], []
+        for col, val in (("gpu_key", gpu_key), ("op", op), ("head_dim", head_dim), ("template_hash", template_hash)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                args.append(val)
+        return list(self.db["winners"].rows_where(" and ".join(where) or None, args, order_by="problem"))
+
+    def winner(self, gpu_key: str, problem_key: str, template_hash: str) -> dict | None:
+        rows = list(self.db["winners"].rows_where("gpu_key = ? and problem = ? and template_hash = ?",
+                                                  [gpu_key, problem_key, template_hash]))
+        return rows[0] if rows else None
+
+    def counts(self) -> dict:
+        return {t: self.db[t].count for t in ("gpus", "runs", "trials", "winners")}
+
+
+def _problem_cols(problem) -> dict:
+    return {"op": problem.op, "dtype": problem.dtype, "head_dim": problem.head_dim, "causal": int(problem.causal),
+            "gqa_group": problem.gqa_group, "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k}
+
+
+def _num(x):
+    """NaN/inf are not JSON and confuse SQL aggregates: store them as NULL."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def rows_to_json(rows: Iterable[dict]) -> str:
+    return json.dumps(list(rows), indent=1, sort_keys=True)

@@ -1,0 +1,324 @@
+"""The tuner: one Optuna study per problem, candidates measured in sandboxed workers, winners stored.
+
+Per problem (a shape set entry's bucket):
+  1. seed the study with the built-in default and known-good variants (winners of other problems
+     of the same dtype and head dim on this GPU);
+  2. ask Optuna (TPE, multivariate and grouped: the space is categorical and conditional) for a
+     batch; constraint violations are told PRUNED before anything compiles and are not counted;
+     variants already measured (this run or an earlier one) are answered from the DB, not re-run;
+  3. compile the batch in parallel worker processes (CPU cores) while one worker owns the GPU
+     and gates + times candidates one by one; every failure becomes a recorded trial;
+  4. re-measure the top few interleaved with the default and SDPA backends; the winner is the
+     lowest median, stored with its spread.
+Everything measured is in SQLite as it happens, and Optuna's journal file sits beside the DB,
+so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import queue
+import statistics
+import time
+from typing import Callable
+
+import optuna
+
+from autoflash import codegen, measure
+from autoflash.dispatch import default_variant, nearest_valid
+from autoflash.problem import GPUFingerprint, Problem, Shape, gpu_fingerprint
+from autoflash.space import Variant, load_space
+from autoflash.store import Store
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+FAILED_STATUSES = ("wrong", "compile_error", "runtime_error", "timeout", "crashed")
+
+
+@dataclasses.dataclass
+class TuneOptions:
+    trials: int = 40  # measured candidates per problem (pruned suggestions do not count)
+    budget_s: float | None = None  # whole run; split evenly over the problems left
+    top_k: int = 3
+    rounds: int = 3  # interleaved re-measurement rounds for the top candidates
+    rep_ms: float = 40
+    compile_workers: int = max(1, min(12, (os.cpu_count() or 2) - 2))
+    trial_timeout_s: float = 180
+    seed: int = 0
+    interpret: bool = False
+    # Test hooks: picklable top-level functions with measure.evaluate_variant's signature.
+    evaluate_fn: Callable | None = None
+    compile_fn: Callable | None = None
+
+
+@dataclasses.dataclass
+class ProblemResult:
+    shape: Shape
+    problem: Problem
+    winner: Variant | None
+    ms: dict  # method -> median ms: "tuned", "default", "sdpa_cudnn", "sdpa_flash"
+    spread: float
+    measured: int
+    failed: int
+    status: str  # "tuned" | "no_valid_candidate" | "skipped"
+
+    def tflops(self, method: str) -> float:
+        return measure.tflops(self.shape, self.ms.get(method, float("nan")))
+
+
+class Reporter:
+    """Progress callbacks (the CLI draws them with rich; the library stays silent)."""
+
+    def problem_started(self, index: int, total: int, shape: Shape) -> None: ...
+    def trial_done(self, measured: int, budget: int, variant: Variant, outcome, best_tflops: float) -> None: ...
+    def problem_done(self, result: ProblemResult) -> None: ...
+
+
+def optuna_storage_path(db_path) -> str:
+    return f"{db_path}.optuna.journal"
+
+
+class _WorkerPool:
+    """N sandboxes used from threads: each thread takes a free sandbox, uses it, gives it back."""
+
+    def __init__(self, n: int, device: str, env: dict):
+        self._free: queue.Queue = queue.Queue()
+        self._all = [measure.Sandbox(device, env) for _ in range(n)]
+        for sb in self._all:
+            self._free.put(sb)
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=n)
+
+    def map(self, fn, args_list: list[tuple], timeout_s: float) -> list:
+        def one(args):
+            sb = self._free.get()
+            try:
+                return sb.call(fn, args, timeout_s)
+            finally:
+                self._free.put(sb)
+        return list(self._threads.map(one, args_list))
+
+    def close(self):
+        self._threads.shutdown(wait=True)
+        for sb in self._all:
+            sb.close()
+
+
+class Tuner:
+    def __init__(self, store: Store, options: TuneOptions, device: GPUFingerprint | None = None,
+                 reporter: Reporter | None = None, command: str = ""):
+        self.store = store
+        self.opt = options
+        self.device = device or gpu_fingerprint()
+        self.reporter = reporter or Reporter()
+        self.device_str = "cpu" if options.interpret else "cuda"
+        env = {"TRITON_INTERPRET": "1"} if options.interpret else {}
+        if os.environ.get("AUTOFLASH_KERNEL_CACHE"):
+            env["AUTOFLASH_KERNEL_CACHE"] = os.environ["AUTOFLASH_KERNEL_CACHE"]
+        self.gpu_key = store.add_gpu(self.device)
+        self.run_id = store.start_run(self.gpu_key, command)
+        self.sandbox = measure.Sandbox(self.device_str, env)
+        self.compilers = None if options.interpret else _WorkerPool(options.compile_workers, self.device_str, env)
+        self.journal = optuna.storages.JournalStorage(
+            optuna.storages.journal.JournalFileBackend(optuna_storage_path(store.path)))
+        self.total_measured = 0
+
+    def close(self, status: str, problems: int) -> None:
+        self.sandbox.close()
+        if self.compilers:
+            self.compilers.close()
+        self.store.finish_run(self.run_id, status, problems, self.total_measured)
+
+    # ------------------------------------------------------------------ one problem
+    def tune_problem(self, shape: Shape, deadline: float | None) -> ProblemResult:
+        problem = shape.problem
+        op = problem.op
+        space = load_space(op)
+        thash = codegen.template_hash(op)
+        valid = space.valid_variants(problem, self.device)
+        if not valid:
+            return ProblemResult(shape, problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
+        default = nearest_valid(default_variant(op, problem.dtype, problem.head_dim, self.device.cc_major >= 9),
+                                problem, self.device)
+        done = {r["variant"]: r for r in self.store.trials_for(self.gpu_key, problem.key, thash)}
+        study = optuna.create_study(
+            study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
+            load_if_exists=True,
+            sampler=optuna.samplers.TPESampler(multivariate=True, group=True, seed=self.opt.seed,
+                                               n_startup_trials=min(10, max(3, self.opt.trials // 4)),
+                                               warn_independent_sampling=False))
+        budget = min(self.opt.trials, len(valid))
+        if not study.trials:
+            for seed_variant in self._seeds(default, problem, thash, valid, budget):
+                study.enqueue_trial(seed_variant.as_dict(), skip_if_exists=True)
+        elif len(valid) <= budget:  # resumed brute force: make sure every variant is queued
+            for v in valid:
+                study.enqueue_trial(v.as_dict(), skip_if_exists=True)
+
+        measured = sum(1 for r in done.values() if r["status"] != "pruned")
+        failed = sum(1 for r in done.values() if r["status"] in FAILED_STATUSES)
+        best = min((r["median_ms"] for r in done.values() if r["status"] == "ok" and r["median_ms"]), default=math.inf)
+        stale = 0
+        batch_size = self.compilers and self.opt.compile_workers or 1
+        while measured < budget and (deadline is None or time.monotonic() < deadline):
+            batch = self._ask_batch(study, space, problem, done, min(batch_size, budget - measured))
+            if not batch:
+                stale += 1
+                if stale > 3:  # the sampler keeps proposing known or invalid variants: space exhausted
+                    break
+                continue
+            stale = 0
+            compiled = self._compile(batch, shape)
+            for (trial, variant), c in zip(batch, compiled):
+                if deadline is not None and time.monotonic() > deadline:
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    continue
+                outcome = c if c.status != "ok" else self.sandbox.evaluate(
+                    variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s,
+                    fn=self.opt.evaluate_fn)
+                row = self._record(problem, thash, variant, outcome, shape)
+                done[variant.json()] = row
+                measured += 1
+                self.total_measured += 1
+                if outcome.status == "ok" and math.isfinite(outcome.ms):
+                    study.tell(trial, outcome.ms)
+                    best = min(best, outcome.ms)
+                else:
+                    failed += 1
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                self.reporter.trial_done(measured, budget, variant, outcome, measure.tflops(shape, best))
+        return self._pick_winner(shape, problem, thash, done, default, measured, failed)
+
+    def _seeds(self, default: Variant, problem: Problem, thash: str, valid: list, budget: int) -> list[Variant]:
+        if len(valid) <= budget:
+            return valid  # small space: brute force, default first
+        seeds = [default]
+        space = load_space(problem.op)
+        for w in self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim, template_hash=thash):
+            if w["dtype"] != problem.dtype or w["problem"] == problem.key:
+                continue
+            try:
+                v = space.validate(json.loads(w["variant"]), problem, self.device)
+            except ValueError:
+                continue
+            if v not in seeds:
+                seeds.append(v)
+        return seeds[: max(1, budget // 4)]
+
+    def _ask_batch(self, study, space, problem, done: dict, n: int) -> list:
+        batch, seen, attempts = [], set(), 0
+        while len(batch) < n and attempts < 50 * n:
+            attempts += 1
+            trial = study.ask()
+            variant = space.suggest(trial)
+            if space.violations(variant, problem, self.device):
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # invalid: never compiled, not a failure
+                continue
+            key = variant.json()
+            if key in done:  # measured before: answer from the DB
+                row = done[key]
+                if row["status"] == "ok" and row["median_ms"]:
+                    study.tell(trial, row["median_ms"])
+                else:
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                continue
+            if key in seen:
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                continue
+            seen.add(key)
+            batch.append((trial, variant))
+        return batch
+
+    def _compile(self, batch: list, shape: Shape) -> list:
+        if self.compilers is None:
+            return [measure.Outcome("ok") for _ in batch]
+        fn = self.opt.compile_fn or measure.compile_variant
+        args = [(v.json(), v.op, shape, self.opt.rep_ms, self.device_str) for _, v in batch]
+        return self.compilers.map(fn, args, self.opt.trial_timeout_s)
+
+    def _record(self, problem, thash, variant, outcome, shape) -> dict:
+        tf = measure.tflops(shape, outcome.ms) if outcome.status == "ok" else None
+        self.store.add_trial(run_id=self.run_id, gpu_key=self.gpu_key, problem=problem, template_hash=thash,
+                             variant_json=variant.json(), status=outcome.status, median_ms=outcome.ms,
+                             tflops=tf, err=outcome.err, sdpa_err=outcome.sdpa_err, message=outcome.message,
+                             seconds=outcome.seconds, shape=dataclasses.asdict(shape))
+        return {"variant": variant.json(), "status": outcome.status,
+                "median_ms": outcome.ms if outcome.status == "ok" else None}
+
+    def _pick_winner(self, shape, problem, thash, done, default, measured, failed) -> ProblemResult:
+        ok = sorted((r for r in done.values() if r["status"] == "ok" and r["median_ms"]),
+                    key=lambda r: r["median_ms"])
+        if not ok:
+            return ProblemResult(shape, problem, None, {}, math.nan, measured, failed, "no_valid_candidate")
+        top = [r["variant"] for r in ok[: self.opt.top_k]]
+        if any(r["variant"] == default.json() for r in ok):
+            top.append(default.json())  # a gated default competes in the final round too
+        top = list(dict.fromkeys(top))
+        methods = list(dict.fromkeys(top + [default.json()]))
+        if not self.opt.interpret:
+            methods += ["sdpa_cudnn", "sdpa_flash"]
+        result = self.sandbox.call(measure.remeasure, (methods, problem.op, shape, self.opt.rounds,
+                                                       self.opt.rep_ms, self.device_str), self.opt.trial_timeout_s)
+        if isinstance(result, measure.Outcome):  # the re-measure itself failed: keep the search's order
+            samples = {m: [r["median_ms"]] for m, r in ((m, done[m]) for m in top)}
+        else:
+            samples = result["samples"]
+        medians = {m: _median(samples.get(m, [])) for m in methods}
+        winner_json = min(top, key=lambda m: medians[m] if math.isfinite(medians[m]) else math.inf)
+        win = samples.get(winner_json, [])
+        spread = (max(win) - min(win)) / medians[winner_json] if len(win) > 1 and medians[winner_json] else 0.0
+        ms = {"tuned": medians[winner_json], "default": medians.get(default.json(), math.nan),
+              "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
+        winner = Variant.of(problem.op, json.loads(winner_json))
+        self.store.set_winner(gpu_key=self.gpu_key, problem=problem, template_hash=thash, variant_json=winner_json,
+                              median_ms=ms["tuned"], spread=spread, tflops=measure.tflops(shape, ms["tuned"]),
+                              trials=measured, run_id=self.run_id, default_ms=ms["default"],
+                              sdpa_cudnn_ms=ms["sdpa_cudnn"], sdpa_flash_ms=ms["sdpa_flash"],
+                              shape=dataclasses.asdict(shape))
+        return ProblemResult(shape, problem, winner, ms, spread, measured, failed, "tuned")
+
+
+def _median(xs) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+def representative_shapes(shapes: list[Shape]) -> list[Shape]:
+    """One shape per problem bucket (the first given), in order."""
+    seen, out = set(), []
+    for s in shapes:
+        if s.problem not in seen:
+            seen.add(s.problem)
+            out.append(s)
+    return out
+
+
+def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Reporter | None = None,
+         command: str = "") -> list[ProblemResult]:
+    """Tune every problem of `shapes`; returns one result per problem. Safe to interrupt and re-run."""
+    reporter = reporter or Reporter()
+    tuner = Tuner(store, options, reporter=reporter, command=command)
+    todo = representative_shapes(shapes)
+    results: list[ProblemResult] = []
+    start = time.monotonic()
+    status = "interrupted"
+    try:
+        for i, shape in enumerate(todo):
+            deadline = None
+            if options.budget_s is not None:
+                left = options.budget_s - (time.monotonic() - start)
+                if left <= 0:
+                    results.append(ProblemResult(shape, shape.problem, None, {}, math.nan, 0, 0, "skipped"))
+                    continue
+                deadline = time.monotonic() + left / (len(todo) - i)
+            reporter.problem_started(i, len(todo), shape)
+            result = tuner.tune_problem(shape, deadline)
+            results.append(result)
+            reporter.problem_done(result)
+        status = "finished"
+    finally:
+        tuner.close(status, len(results))
+    return results

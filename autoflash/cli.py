@@ -220,10 +220,11 @@ def _results_table(results, title):
               help="Results DB (default: $AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db).")
 @click.option("--workers", type=int, default=None, help="Parallel compile processes (default: cores - 2, max 12).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
+@click.option("--rep-ms", type=float, default=40, show_default=True, help="do_bench repetition time per candidate (ms).")
 @click.option("--interpret", is_flag=True,
               help="Run the whole pipeline on tiny shapes in Triton's CPU interpreter (no GPU; timings are not GPU performance).")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), help="Also write the final table as Markdown.")
-def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, interpret, md_path):
+def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, interpret, md_path):
     """Tune this GPU: search kernel variants per problem, store the winners.
 
     Every candidate is checked against a float64 reference before it is timed; failures
@@ -256,7 +257,7 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, interpret, 
     if interpret and any(s.dtype == "bfloat16" for s in shape_list):
         raise click.ClickException("bfloat16 is not computed correctly by Triton's interpreter: use --dtype float16")
     options = tune_mod.TuneOptions(trials=trials, budget_s=budget * 60 if budget else None, seed=seed,
-                                   interpret=interpret)
+                                   rep_ms=rep_ms, interpret=interpret)
     if workers:
         options.compile_workers = workers
     try:

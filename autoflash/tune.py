@@ -91,6 +91,14 @@ class _WorkerPool:
         for sb in self._all:
             self._free.put(sb)
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=n)
+        self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def start(self, timeout_s: float) -> None:
+        """Start every worker (torch import, CUDA context) before any budget clock runs."""
+        self.map(measure.ping, [()] * len(self._all), timeout_s)
+
+    def map_async(self, fn, args_list: list[tuple], timeout_s: float) -> concurrent.futures.Future:
+        return self._background.submit(self.map, fn, args_list, timeout_s)
 
     def map(self, fn, args_list: list[tuple], timeout_s: float) -> list:
         def one(args):
@@ -102,6 +110,7 @@ class _WorkerPool:
         return list(self._threads.map(one, args_list))
 
     def close(self):
+        self._background.shutdown(wait=True)
         self._threads.shutdown(wait=True)
         for sb in self._all:
             sb.close()
@@ -125,6 +134,10 @@ class Tuner:
         self.journal = optuna.storages.JournalStorage(
             optuna.storages.journal.JournalFileBackend(optuna_storage_path(store.path)))
         self.total_measured = 0
+        # Workers start before the first problem's clock: their start-up is not any problem's budget.
+        self.sandbox.call(measure.ping, (), options.trial_timeout_s)
+        if self.compilers:
+            self.compilers.start(options.trial_timeout_s)
 
     def close(self, status: str, problems: int) -> None:
         self.sandbox.close()
@@ -161,20 +174,29 @@ class Tuner:
         measured = sum(1 for r in done.values() if r["status"] != "pruned")
         failed = sum(1 for r in done.values() if r["status"] in FAILED_STATUSES)
         best = min((r["median_ms"] for r in done.values() if r["status"] == "ok" and r["median_ms"]), default=math.inf)
-        stale = 0
         batch_size = self.compilers and self.opt.compile_workers or 1
-        while measured < budget and (deadline is None or time.monotonic() < deadline):
-            batch = self._ask_batch(study, space, problem, done, min(batch_size, budget - measured))
-            if not batch:
-                stale += 1
-                if stale > 3:  # the sampler keeps proposing known or invalid variants: space exhausted
-                    break
-                continue
-            stale = 0
-            compiled = self._compile(batch, shape)
+
+        def time_left() -> bool:
+            return deadline is None or time.monotonic() < deadline
+
+        def next_batch(n: int, stale: int = 0):
+            """Ask for up to n new candidates and start compiling them (in the background)."""
+            while n > 0 and time_left() and stale <= 3:
+                batch = self._ask_batch(study, space, problem, done, n)
+                if batch:
+                    return batch, self._compile_async(batch, shape)
+                stale += 1  # the sampler keeps proposing known or invalid variants: nearly exhausted
+            return None
+
+        pending = next_batch(min(batch_size, budget - measured))
+        while pending is not None:
+            batch, compiling = pending
+            compiled = compiling.result()
+            # Compile the next batch on the CPU cores while this one is measured on the GPU.
+            pending = next_batch(min(batch_size, budget - measured - len(batch)))
             for (trial, variant), c in zip(batch, compiled):
-                if deadline is not None and time.monotonic() > deadline:
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                if not time_left():
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
                 outcome = c if c.status != "ok" else self.sandbox.evaluate(
                     variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s,
@@ -232,12 +254,14 @@ class Tuner:
             batch.append((trial, variant))
         return batch
 
-    def _compile(self, batch: list, shape: Shape) -> list:
-        if self.compilers is None:
-            return [measure.Outcome("ok") for _ in batch]
+    def _compile_async(self, batch: list, shape: Shape) -> concurrent.futures.Future:
+        if self.compilers is None:  # the interpreter compiles nothing
+            done = concurrent.futures.Future()
+            done.set_result([measure.Outcome("ok") for _ in batch])
+            return done
         fn = self.opt.compile_fn or measure.compile_variant
         args = [(v.json(), v.op, shape, self.opt.rep_ms, self.device_str) for _, v in batch]
-        return self.compilers.map(fn, args, self.opt.trial_timeout_s)
+        return self.compilers.map_async(fn, args, self.opt.trial_timeout_s)
 
     def _record(self, problem, thash, variant, outcome, shape) -> dict:
         tf = measure.tflops(shape, outcome.ms) if outcome.status == "ok" else None

@@ -159,10 +159,7 @@ class Tuner:
         done = {r["variant"]: r for r in self.store.trials_for(self.gpu_key, problem.key, thash)}
         study = optuna.create_study(
             study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
-            load_if_exists=True,
-            sampler=optuna.samplers.TPESampler(multivariate=True, group=True, seed=self.opt.seed,
-                                               n_startup_trials=min(10, max(3, self.opt.trials // 4)),
-                                               warn_independent_sampling=False))
+            load_if_exists=True, sampler=make_sampler(self.opt.seed, self.opt.trials))
         budget = min(self.opt.trials, len(valid))
         if not study.trials:
             for seed_variant in self._seeds(default, problem, thash, valid, budget):
@@ -303,6 +300,47 @@ class Tuner:
                               sdpa_cudnn_ms=ms["sdpa_cudnn"], sdpa_flash_ms=ms["sdpa_flash"],
                               shape=dataclasses.asdict(shape))
         return ProblemResult(shape, problem, winner, ms, spread, measured, failed, "tuned")
+
+
+def make_sampler(seed: int, trials: int) -> optuna.samplers.BaseSampler:
+    """TPE, multivariate and grouped: the space is categorical and conditional (constraints)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(multivariate=True, group=True, seed=seed,
+                                          n_startup_trials=min(10, max(3, trials // 4)))
+
+
+def replay_search(table: dict, problem: Problem, device: GPUFingerprint, trials: int, seed: int,
+                  first: Variant | None = None) -> list[float]:
+    """Run the tuner's sampler against recorded measurements (variant JSON -> ms; missing = failed).
+
+    Returns the objective of each measured trial in search order. With an exhaustive table this
+    tells how many trials the search needs to come within x% of the true best.
+    """
+    space = load_space(problem.op)
+    study = optuna.create_study(direction="minimize", sampler=make_sampler(seed, trials))
+    if first is not None:
+        study.enqueue_trial(first.as_dict())
+    out, seen, attempts = [], set(), 0
+    while len(out) < trials and attempts < 200 * trials:
+        attempts += 1
+        trial = study.ask()
+        variant = space.suggest(trial)
+        key = variant.json()
+        if space.violations(variant, problem, device) or key in seen:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            continue
+        seen.add(key)
+        ms = table.get(key)
+        if ms is None or not math.isfinite(ms):
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            out.append(math.inf)
+        else:
+            study.tell(trial, ms)
+            out.append(ms)
+    return out
 
 
 def _median(xs) -> float:

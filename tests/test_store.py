@@ -1,0 +1,104 @@
+"""Results DB: schema, migrations, upserts, refusal of foreign/corrupt files, concurrent writers."""
+
+import multiprocessing
+import shutil
+import sqlite3
+import subprocess
+
+import pytest
+
+from autoflash.problem import GPUFingerprint, Problem
+from autoflash.store import SCHEMA_VERSION, Store, StoreError
+
+GPU = GPUFingerprint("Test GPU", 9, 0, 132, 232448, "2.x", "3.6", "13.0", "0.1")
+PROBLEM = Problem("fwd", "bfloat16", 128, True, 1, 4096, 4096)
+
+
+def add_trials(path, n, tag):
+    store = Store(path)
+    run = store.start_run(GPU.key, f"writer {tag}")
+    for i in range(n):
+        store.add_trial(run_id=run, gpu_key=GPU.key, problem=PROBLEM, template_hash="t",
+                        variant_json=f'{{"w": "{tag}", "i": {i}}}', status="ok", median_ms=1.0 + i, tflops=1.0)
+    store.close()
+
+
+def test_schema_and_migrations(tmp_path):
+    path = tmp_path / "a.db"
+    store = Store(path)
+    assert {"gpus", "runs", "trials", "winners", "_meta", "_migrations"} <= set(store.db.table_names())
+    assert store.db.execute("select value from _meta where key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
+    assert [r["name"] for r in store.db["_migrations"].rows] == ["001_initial"]
+    assert store.db.execute("pragma journal_mode").fetchone()[0] == "wal"
+    store.close()
+    Store(path).close()  # re-opening applies nothing twice
+    assert [r["name"] for r in Store(path).db["_migrations"].rows] == ["001_initial"]
+
+
+def test_winner_upsert_keeps_one_row_per_key(tmp_path):
+    store = Store(tmp_path / "a.db")
+    store.add_gpu(GPU)
+    for ms in (2.0, 1.5):
+        store.set_winner(gpu_key=GPU.key, problem=PROBLEM, template_hash="t", variant_json="{}", median_ms=ms,
+                         spread=0.01, tflops=100 / ms, trials=10)
+    rows = store.winners(GPU.key)
+    assert len(rows) == 1 and rows[0]["median_ms"] == 1.5
+    store.set_winner(gpu_key=GPU.key, problem=PROBLEM, template_hash="other", variant_json="{}", median_ms=1.0,
+                     spread=0.0, tflops=1.0, trials=1)
+    assert len(store.winners(GPU.key)) == 2
+    assert store.winner(GPU.key, PROBLEM.key, "t")["median_ms"] == 1.5
+    assert store.winner("another gpu", PROBLEM.key, "t") is None
+
+
+def test_nan_is_stored_as_null(tmp_path):
+    store = Store(tmp_path / "a.db")
+    run = store.start_run(GPU.key, "x")
+    store.add_trial(run_id=run, gpu_key=GPU.key, problem=PROBLEM, template_hash="t", variant_json="{}",
+                    status="wrong", median_ms=float("nan"), err=float("inf"))
+    row = store.trials_for(GPU.key, PROBLEM.key, "t")[0]
+    assert row["median_ms"] is None and row["err"] is None and row["status"] == "wrong"
+
+
+def test_foreign_schema_version_is_refused(tmp_path):
+    path = tmp_path / "future.db"
+    Store(path).close()
+    con = sqlite3.connect(path)
+    con.execute("update _meta set value = '99' where key = 'schema_version'")
+    con.commit()
+    con.close()
+    with pytest.raises(StoreError, match="schema version 99"):
+        Store(path)
+
+
+def test_corrupt_and_missing_files_are_refused(tmp_path):
+    bad = tmp_path / "corrupt.db"
+    bad.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="cannot use"):
+        Store(bad)
+    with pytest.raises(StoreError, match="no database"):
+        Store(tmp_path / "missing.db", readonly=True)
+
+
+def test_two_concurrent_writers_lose_no_row(tmp_path):
+    path = tmp_path / "shared.db"
+    Store(path).close()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=add_trials, args=(path, 150, tag)) for tag in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    store = Store(path)
+    assert store.db["trials"].count == 300
+    assert store.db["runs"].count == 2
+
+
+def test_opens_in_sqlite_utils_cli(tmp_path):
+    exe = shutil.which("sqlite-utils")
+    if exe is None:
+        pytest.fail("sqlite-utils (a dependency) should install its command")
+    path = tmp_path / "a.db"
+    add_trials(path, 3, "x")
+    out = subprocess.run([exe, "tables", str(path), "--counts"], capture_output=True, text=True, check=True).stdout
+    assert '"table": "trials", "count": 3' in out

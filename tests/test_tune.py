@@ -1,0 +1,157 @@
+"""The tuner end to end in Triton's interpreter: a real Optuna study, real worker processes, a
+real SQLite file. Faults (a candidate that raises, hangs, or kills its worker) are injected
+through the tuner's evaluate hook; kill -9 of a whole tune process is done for real."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from autoflash import measure
+from autoflash.cli import cli
+from autoflash.dispatch import default_variant, nearest_valid
+from autoflash.problem import Problem, Shape, gpu_fingerprint, load_shape_set
+from autoflash.space import load_space
+from autoflash.store import Store
+from autoflash.tune import TuneOptions, replay_search, tune
+
+pytestmark = pytest.mark.interpreter
+
+TINY = Shape(1, 2, 2, 37, 37, 64, True, "float16")
+
+
+def faulty_evaluate(variant_json, op, shape, rep_ms, device):
+    """The first three candidates misbehave (raise, hang, kill the worker); the rest are real."""
+    counter = os.environ["AUTOFLASH_TEST_COUNTER"]
+    with open(counter, "a+") as f:
+        f.seek(0)
+        n = len(f.read())
+        f.write("x")
+    if n == 0:
+        raise RuntimeError("injected: candidate raised")
+    if n == 1:
+        time.sleep(600)  # injected hang: the per-trial timeout must end it
+    if n == 2:
+        os._exit(7)  # injected: the worker process dies
+    return measure.evaluate_variant(variant_json, op, shape, rep_ms, device)
+
+
+def test_tune_interpret_cli_end_to_end(tmp_path):
+    db = tmp_path / "t.db"
+    r = CliRunner().invoke(cli, ["tune", "--interpret", "--db", str(db), "--trials", "3"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "interpreter mode" in text and "A CUDA GPU is needed for real tuning" in text
+    out = subprocess.run([sys.executable, "-m", "sqlite_utils", "tables", str(db), "--counts"],
+                         capture_output=True, text=True, check=True).stdout
+    counts = {t["table"]: t["count"] for t in json.loads(out)}
+    assert counts["winners"] == len(load_shape_set("tiny")) and counts["trials"] == 3 * counts["winners"]
+    store = Store(db)
+    for w in store.winners():
+        problem = Problem.from_key(w["problem"])
+        load_space("fwd").validate(json.loads(w["variant"]), problem, gpu_fingerprint())  # valid by construction
+    assert all(row["status"] == "ok" and row["err"] is not None for row in store.db["trials"].rows)
+
+
+def test_tune_without_gpu_says_a_gpu_is_needed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # stands in for "no usable CUDA" on any machine
+    r = CliRunner().invoke(cli, ["tune"])
+    text = " ".join(r.output.split())
+    assert r.exit_code != 0 and "needs a CUDA GPU" in text and "--interpret" in text
+
+
+def test_faults_are_recorded_and_the_run_still_stores_a_winner(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_TEST_COUNTER", str(tmp_path / "counter"))
+    store = Store(tmp_path / "t.db")
+    options = TuneOptions(trials=6, interpret=True, trial_timeout_s=8, evaluate_fn=faulty_evaluate)
+    (result,) = tune([TINY], store, options)
+    statuses = [r["status"] for r in store.db["trials"].rows_where(order_by="id")]
+    assert statuses[:3] == ["runtime_error", "timeout", "crashed"], statuses
+    assert statuses[3:] == ["ok"] * 3
+    messages = [r["message"] for r in store.db["trials"].rows_where(order_by="id")]
+    assert "injected: candidate raised" in messages[0] and "exit code 7" in messages[2]
+    assert result.status == "tuned" and result.failed == 3
+    assert store.db["winners"].count == 1
+    assert list(store.db["runs"].rows)[0]["status"] == "finished"
+
+
+def test_a_wrong_kernel_never_wins(tmp_path, monkeypatch):
+    """A candidate whose output is wrong is recorded as such and cannot be the winner."""
+    store = Store(tmp_path / "t.db")
+    monkeypatch.setattr(measure, "GATE_FLOOR", {**measure.GATE_FLOOR})
+    options = TuneOptions(trials=4, interpret=True, evaluate_fn=wrong_for_pointer_loads)
+    (result,) = tune([TINY], store, options)
+    rows = list(store.db["trials"].rows)
+    assert any(r["status"] == "wrong" for r in rows) or all(json.loads(r["variant"])["LOADS"] != "pointer" for r in rows)
+    assert json.loads(store.db["winners"].get((store.winners()[0]["gpu_key"], result.problem.key,
+                                              store.winners()[0]["template_hash"]))["variant"])["LOADS"] != "pointer"
+
+
+def wrong_for_pointer_loads(variant_json, op, shape, rep_ms, device):
+    """Pointer-load candidates get their output corrupted before the gate checks it."""
+    if json.loads(variant_json)["LOADS"] != "pointer":
+        return measure.evaluate_variant(variant_json, op, shape, rep_ms, device)
+    real_run = measure.run_variant
+
+    def corrupted(*args, **kwargs):
+        out, lse = real_run(*args, **kwargs)
+        return out * 1.01, lse
+    measure.run_variant = corrupted
+    try:
+        measure._gate_cache.clear()
+        return measure.evaluate_variant(variant_json, op, shape, rep_ms, device)
+    finally:
+        measure.run_variant = real_run
+
+
+def test_resume_after_kill_9(tmp_path):
+    db = tmp_path / "t.db"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "autoflash", "tune", "--interpret", "--db", str(db), "--trials", "5"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    seen = 0
+    while time.time() < deadline and seen < 7:
+        time.sleep(0.2)
+        if db.exists():
+            try:
+                seen = sqlite3.connect(db).execute("select count(*) from trials").fetchone()[0]
+            except sqlite3.OperationalError:
+                pass
+    assert proc.poll() is None, "the tune finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # the tuner and its workers, no chance to clean up
+    proc.wait()
+    before = sqlite3.connect(db).execute("select id, problem, variant from trials").fetchall()
+    assert len(before) >= 7
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
+    con = sqlite3.connect(db)
+    after = con.execute("select id, problem, variant from trials").fetchall()
+    assert set(before) <= set(after)  # finished trials kept
+    pairs = [(p, v) for _, p, v in after]
+    assert len(pairs) == len(set(pairs))  # none repeated
+    assert len(after) == 5 * 4  # and the budget completed, not restarted
+    assert con.execute("select count(*) from winners").fetchone()[0] == 4
+    assert [r[0] for r in con.execute("select status from runs order by id")] == ["running", "finished"]
+
+
+def test_replay_search_learns_a_structured_objective():
+    """Against a recorded table with structure, the tuner's sampler finds a near-best variant
+    in a small fraction of the space."""
+    problem, device = TINY.problem, gpu_fingerprint()
+    valid = load_space("fwd").valid_variants(problem, device)
+
+    def ms(v):
+        noise = (hash(v.json()) % 1000) / 1e5
+        return (1.0 + 0.5 * (v["BLOCK_N"] != 64) + 0.3 * (v["LOADS"] != "tma") + 0.2 * (v["num_warps"] != 8)
+                + 0.1 * (v["GRID_ORDER"] != "m_major") + noise)
+    table = {v.json(): ms(v) for v in valid}
+    best = min(table.values())
+    seq = replay_search(table, problem, device, trials=60, seed=0)
+    assert len(seq) == 60 and len(set(seq)) == 60  # no variant measured twice
+    assert min(seq) <= 1.05 * best, (min(seq), best, len(valid))

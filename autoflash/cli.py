@@ -288,6 +288,52 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
     console.print(f"DB {store.path}: {counts['winners']} winners, {counts['trials']} trials")
 
 
+@cli.command("search-quality")
+@click.option("--db", "db_path", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="A DB holding an exhaustive sweep (autoflash tune --trials 100000).")
+@click.option("--problem", "problem_key", default=None, help="Problem key (default: every problem in the DB).")
+@click.option("--seeds", default=5, show_default=True)
+@click.option("--trials", default=110, show_default=True, help="Search length replayed per seed.")
+@click.option("--tolerance", default=0.02, show_default=True)
+def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
+    """Replay the tuner's Optuna sampler against an exhaustive sweep's recorded timings.
+
+    Reports how many trials the search needs to come within --tolerance of the exhaustive best
+    (per seed), next to random search on the same table. No GPU needed: the objective is the
+    recorded measurement of each variant.
+
+    Example: autoflash search-quality --db docs/results/2026-11-30-h200-sweep-d64.db
+    """
+    from autoflash.problem import GPUFingerprint
+    from autoflash.store import Store
+    from autoflash.tune import search_quality
+
+    store = Store(db_path, readonly=True)
+    keys = [problem_key] if problem_key else [r[0] for r in store.db.execute("select distinct problem from trials")]
+    t = Table(title=f"search quality: trials to come within {tolerance:.0%} of the exhaustive best")
+    for col in ("problem", "variants", "within tol.", "default/best", "TPE per seed", "TPE median", "random median"):
+        t.add_column(col)
+    for key in keys:
+        rows = list(store.db.execute(
+            "select t.variant, t.median_ms, g.* from trials t join gpus g on g.gpu_key = t.gpu_key "
+            "where t.problem = ? and t.status = 'ok'", [key]))
+        if not rows:
+            continue
+        cols = [d[0] for d in store.db.execute("select * from gpus limit 0").description]
+        g = dict(zip(cols, rows[0][2:]))
+        device = GPUFingerprint(**{k: g[k] for k in GPUFingerprint.__dataclass_fields__})
+        table = {r[0]: r[1] for r in rows}
+        q = search_quality(table, Problem.from_key(key), device, seeds, min(trials, len(table)), tolerance)
+        found = [x for x in q["tpe"] if x is not None]
+        import statistics
+
+        t.add_row(key, str(q["space"]), str(q["within_tolerance"]),
+                  f"{q['default_ms'] / q['best_ms']:.3f}" if q["default_ms"] else "-",
+                  ", ".join(str(x) if x else "not found" for x in q["tpe"]),
+                  f"{statistics.median(found):.0f}" if found else "-", f"{q['random_median']:.0f}")
+    console.print(t)
+
+
 def main():
     try:
         cli(prog_name="autoflash")

@@ -343,6 +343,38 @@ def replay_search(table: dict, problem: Problem, device: GPUFingerprint, trials:
     return out
 
 
+def trials_to_reach(sequence: list[float], best: float, tolerance: float) -> int | None:
+    """1-based index of the first trial whose running best is within `tolerance` of `best`."""
+    running = math.inf
+    for i, ms in enumerate(sequence, 1):
+        running = min(running, ms)
+        if running <= best * (1 + tolerance):
+            return i
+    return None
+
+
+def search_quality(table: dict, problem: Problem, device: GPUFingerprint, seeds: int, trials: int,
+                   tolerance: float = 0.02) -> dict:
+    """Trials the tuner's sampler needs to come within `tolerance` of an exhaustive table's best,
+    per seed, against random search (200 shuffles) on the same table."""
+    import random
+
+    best = min(table.values())
+    default = nearest_valid(default_variant(problem.op, problem.dtype, problem.head_dim, device.cc_major >= 9),
+                            problem, device)
+    tpe = [trials_to_reach(replay_search(table, problem, device, trials, seed, first=default), best, tolerance)
+           for seed in range(seeds)]
+    keys = sorted(table)
+    rnd = []
+    for seed in range(200):
+        order = keys[:]
+        random.Random(seed).shuffle(order)
+        rnd.append(trials_to_reach([table[k] for k in order], best, tolerance))
+    return {"space": len(table), "best_ms": best, "default_ms": table.get(default.json()),
+            "within_tolerance": sum(ms <= best * (1 + tolerance) for ms in table.values()),
+            "tpe": tpe, "random_median": statistics.median(rnd)}
+
+
 def _median(xs) -> float:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return statistics.median(xs) if xs else math.nan

@@ -334,6 +334,79 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
     console.print(t)
 
 
+@cli.command()
+def info():
+    """This machine's GPU fingerprint, versions, DB paths and how many tuned winners apply here.
+
+    Example: autoflash info
+    """
+    from autoflash import codegen
+    from autoflash.dispatch import WinnerTable
+    from autoflash.problem import gpu_fingerprint
+
+    device = gpu_fingerprint()
+    t = Table(title="autoflash info", show_header=False)
+    for k, v in device.as_dict().items():
+        t.add_row(k, str(v))
+    t.add_row("gpu key", device.key)
+    t.add_row("template hash (fwd)", codegen.template_hash("fwd"))
+    t.add_row("kernel cache", str(codegen.kernel_cache_dir()))
+    paths = WinnerTable.default_paths()
+    for i, path in enumerate(paths):
+        label = "user DB" if i == 0 else "shipped DB"
+        t.add_row(label, f"{path}{'' if path.is_file() else ' (absent)'}")
+    table = WinnerTable(device, paths)
+    t.add_row("winners that apply here", str(len(table.rows)))
+    console.print(t)
+
+
+@cli.group()
+def db():
+    """Inspect the results database.
+
+    Example: autoflash db list --head-dim 128
+    """
+
+
+@db.command("path")
+def db_path_cmd():
+    """Print the path of the user results DB ($AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db)."""
+    from autoflash.store import default_db_path
+
+    click.echo(str(default_db_path()))
+
+
+@db.command("list")
+@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@click.option("--gpu", default=None, help="Only GPUs whose key contains this text.")
+@click.option("--op", default=None, help="Only this op.")
+@click.option("--head-dim", type=int, default=None, help="Only this head dim.")
+def db_list(db_file, gpu, op, head_dim):
+    """List stored winners (problem, variant, TFLOP/s, spread, trials).
+
+    Example: autoflash db list --db cache/h200-forward.db --op fwd
+    """
+    from autoflash.store import Store, StoreError, default_db_path
+
+    path = db_file or default_db_path()
+    try:
+        store = Store(path, readonly=True)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+    rows = [r for r in store.winners(op=op, head_dim=head_dim) if not gpu or gpu.lower() in r["gpu_key"].lower()]
+    t = Table(title=f"winners in {path}")
+    for col in ("gpu", "problem", "variant", "TFLOP/s", "spread", "trials"):
+        t.add_column(col)
+    for r in rows:
+        from autoflash.space import Variant
+
+        variant = Variant.of(r["op"], json.loads(r["variant"])).short() if r["variant"].startswith("{") else r["variant"]
+        t.add_row(r["gpu_key"].split("|")[0], r["problem"], variant, f"{r['tflops'] or float('nan'):.1f}",
+                  f"{(r['spread'] or 0) * 100:.1f}%", str(r["trials"]))
+    console.print(t)
+    console.print(f"{len(rows)} winner(s)")
+
+
 def main():
     try:
         cli(prog_name="autoflash")

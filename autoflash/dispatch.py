@@ -7,15 +7,18 @@ the tuner, Optuna or the measurement code.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
+import warnings
 
 import torch
 import triton
 
 from autoflash import codegen
 from autoflash.problem import GPUFingerprint, Problem, dtype_name, gpu_fingerprint, interpreter_enabled, seqlen_bucket
-from autoflash.space import Variant, load_space
+from autoflash.space import InvalidVariant, Variant, load_space
 
 log = logging.getLogger("autoflash")
 
@@ -73,20 +76,114 @@ def ensure_allocator() -> None:
         triton.set_allocator(_allocate_scratch)
 
 
+class WinnerTable:
+    """Tuned winners that apply to one GPU fingerprint and the current templates, in memory.
+
+    Loaded once: the user DB ($AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db) first, then the
+    databases shipped in the package's cache/ folder (a user's own tuning wins). Only rows whose
+    GPU key and template hash match are kept, and each row's variant is validated against the
+    declared search space before it can ever be rendered. A missing, locked, corrupt or
+    foreign-version DB costs one warning, never an error.
+    """
+
+    def __init__(self, device: GPUFingerprint, paths: list | None = None):
+        self.device = device
+        self.rows: dict[str, Variant] = {}  # problem key -> variant
+        for path in self.default_paths() if paths is None else paths:
+            self._load(path)
+
+    @staticmethod
+    def default_paths() -> list:
+        from autoflash import resources
+        from autoflash.store import default_db_path
+
+        shipped = sorted(resources.data_dir("cache").glob("*.db"))
+        return [default_db_path(), *shipped]
+
+    def _load(self, path) -> None:
+        from autoflash.store import Store, StoreError
+
+        try:
+            if not path.is_file():
+                return
+            store = Store(path, readonly=True)
+            try:
+                rows = store.winners(self.device.key)
+            finally:
+                store.close()
+        except (StoreError, OSError, ValueError) as e:
+            warnings.warn(f"autoflash: ignoring results DB {path}: {e}", RuntimeWarning, stacklevel=2)
+            return
+        except Exception as e:  # sqlite3 errors of a damaged file: never break the caller's model
+            warnings.warn(f"autoflash: ignoring results DB {path}: {type(e).__name__}: {e}", RuntimeWarning,
+                          stacklevel=2)
+            return
+        for row in rows:
+            if row["problem"] in self.rows:
+                continue  # an earlier DB (the user's) already decided this problem
+            try:
+                problem = Problem.from_key(row["problem"])
+                if row["template_hash"] != codegen.template_hash(problem.op):
+                    continue  # tuned for another version of the template
+                variant = load_space(problem.op).validate(json.loads(row["variant"]), problem, self.device)
+            except (InvalidVariant, ValueError, KeyError, TypeError) as e:
+                warnings.warn(f"autoflash: rejected winner for {row.get('problem')!r} in {path}: {e}",
+                              RuntimeWarning, stacklevel=2)
+                continue
+            self.rows[problem.key] = variant
+
+    def lookup(self, problem: Problem) -> tuple[Variant | None, str]:
+        """(variant, how): exact bucket, else the nearest seqlen bucket of the same kind, else None."""
+        exact = self.rows.get(problem.key)
+        if exact is not None:
+            return exact, "exact"
+        best, best_distance = None, math.inf
+        for key, variant in self.rows.items():
+            p = Problem.from_key(key)
+            if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group) != (
+                    problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group):
+                continue
+            distance = abs(math.log2(p.seqlen_q / problem.seqlen_q)) + abs(math.log2(p.seqlen_k / problem.seqlen_k))
+            if distance < best_distance or (distance == best_distance and key < best[0]):
+                best, best_distance = (key, variant), distance
+        if best is None:
+            return None, "default"
+        return best[1], f"nearest ({best[0]})"
+
+
 class Dispatcher:
     """Maps a forward call to a kernel module. One per process (see `get_dispatcher`)."""
 
-    def __init__(self):
+    def __init__(self, winner_paths: list | None = None):
         self._table: dict[tuple, object] = {}
+        self._winners: dict[int | None, WinnerTable] = {}
+        self._winner_paths = winner_paths
         self._lock = threading.Lock()
+        self._told_untuned: set = set()
+
+    def winners(self, device: GPUFingerprint, device_index=None) -> WinnerTable:
+        table = self._winners.get(device_index)
+        if table is None:
+            table = self._winners[device_index] = WinnerTable(device, self._winner_paths)
+        return table
 
     def problem_for(self, q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd") -> Problem:
         return Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                        gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(q.shape[2]),
                        seqlen_k=seqlen_bucket(k.shape[2]))
 
-    def variant_for(self, problem: Problem, device: GPUFingerprint, tma_ok: bool) -> Variant:
-        preferred = default_variant(problem.op, problem.dtype, problem.head_dim, device.cc_major >= 9)
+    def variant_for(self, problem: Problem, device: GPUFingerprint, tma_ok: bool, device_index=None) -> Variant:
+        """The tuned winner for this problem (exact or nearest bucket), else the built-in default."""
+        tuned, how = self.winners(device, device_index).lookup(problem)
+        if tuned is not None:
+            log.debug("autoflash: %s -> tuned winner (%s)", problem.key, how)
+            preferred = tuned
+        else:
+            if not self.winners(device, device_index).rows and device.key not in self._told_untuned:
+                self._told_untuned.add(device.key)
+                log.info("autoflash: no tuned kernels for %s; using built-in defaults (run `autoflash tune`)",
+                         device.name)
+            preferred = default_variant(problem.op, problem.dtype, problem.head_dim, device.cc_major >= 9)
         if preferred["LOADS"] == "tma" and not tma_ok:
             preferred = preferred.replace(LOADS="pointer", WARP_SPECIALIZE=False)
         return nearest_valid(preferred, problem, device)
@@ -101,7 +198,7 @@ class Dispatcher:
             with self._lock:
                 device = gpu_fingerprint(device_index)
                 problem = self.problem_for(q, k, causal)
-                variant = self.variant_for(problem, device, tma_ok)
+                variant = self.variant_for(problem, device, tma_ok, device_index)
                 log.debug("autoflash: %s -> %s", problem.key, variant.json())
                 module = codegen.load(variant)
                 self._table[key] = module

@@ -192,6 +192,19 @@ class Store:
                                                   [gpu_key, problem_key, template_hash]))
         return rows[0] if rows else None
 
+    def copy_winners_to(self, path, gpu_key: str | None = None) -> int:
+        """Write a small DB (same schema) holding only winners and their GPUs, e.g. to ship in cache/."""
+        out = Store(path)
+        rows = self.winners(gpu_key)
+        for key in {r["gpu_key"] for r in rows}:
+            gpu = self.db["gpus"].get(key)
+            out._retry(lambda: out.db["gpus"].upsert(gpu, pk="gpu_key"))
+        out._retry(lambda: out.db["winners"].upsert_all(rows, pk=("gpu_key", "problem", "template_hash")))
+        out.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        out.db.conn.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
+        out.close()
+        return len(rows)
+
     def counts(self) -> dict:
         return {t: self.db[t].count for t in ("gpus", "runs", "trials", "winners")}
 

@@ -49,3 +49,50 @@ def test_python_dash_m_works():
     out = subprocess.run([sys.executable, "-m", "autoflash", "space", "--head-dim", "80"],
                          capture_output=True, text=True, check=True)
     assert "after:" in out.stdout
+
+
+def test_info_reports_fingerprint_and_db_paths():
+    r = invoke("info")
+    assert r.exit_code == 0
+    text = " ".join(r.output.split())
+    assert "template hash" in text and "user DB" in text and "winners that apply here" in text
+
+
+def test_db_path_and_list(tmp_path, monkeypatch):
+    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.store import Store
+
+    db = tmp_path / "x.db"
+    monkeypatch.setenv("AUTOFLASH_DB", str(db))
+    assert invoke("db", "path").output.strip() == str(db)
+    store = Store(db)
+    dev = gpu_fingerprint()
+    store.add_gpu(dev)
+    for d in (64, 128):
+        store.set_winner(gpu_key=dev.key, problem=Problem("fwd", "float16", d, False, 1, 64, 64), template_hash="t",
+                         variant_json='{"BLOCK_M": 64, "BLOCK_N": 32}', median_ms=1.0, spread=0.0, tflops=2.0, trials=3)
+    store.close()
+    r = invoke("db", "list", "--head-dim", "128")
+    assert r.exit_code == 0 and "1 winner(s)" in r.output
+    assert "2 winner(s)" in invoke("db", "list").output
+    r = CliRunner().invoke(cli, ["db", "list", "--db", str(tmp_path / "missing.db")])
+    assert r.exit_code != 0 and "no database" in r.output
+
+
+def test_search_quality_on_a_recorded_sweep(tmp_path):
+    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.space import load_space
+    from autoflash.store import Store
+
+    dev = gpu_fingerprint()
+    prob = Problem("fwd", "float16", 256, False, 1, 2048, 2048)
+    store = Store(tmp_path / "sweep.db")
+    store.add_gpu(dev)
+    run = store.start_run(dev.key, "sweep")
+    for i, v in enumerate(load_space("fwd").valid_variants(prob, dev)):
+        store.add_trial(run_id=run, gpu_key=dev.key, problem=prob, template_hash="t", variant_json=v.json(),
+                        status="ok", median_ms=1.0 + 0.5 * (v["BLOCK_N"] != 64) + (i % 7) / 100)
+    store.close()
+    r = CliRunner().invoke(cli, ["search-quality", "--db", str(tmp_path / "sweep.db"), "--seeds", "2", "--trials", "30"],
+                           catch_exceptions=False, terminal_width=200)
+    assert r.exit_code == 0 and "fwd/float16/d256/full/g1/q2048/k2048" in r.output

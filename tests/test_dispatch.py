@@ -1,0 +1,112 @@
+"""Dispatcher: winners from SQLite (exact, nearest bucket, default), what is ignored or rejected."""
+
+import dataclasses
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from autoflash import codegen
+from autoflash.dispatch import Dispatcher, WinnerTable, default_variant
+from autoflash.measure import reference, rel_error
+from autoflash.problem import Problem, gpu_fingerprint
+from autoflash.space import load_space
+from autoflash.store import Store
+
+DEVICE = gpu_fingerprint()
+THASH = codegen.template_hash("fwd")
+
+
+def problem(q=1024, k=1024, causal=False, head_dim=64, dtype="float16"):
+    return Problem("fwd", dtype, head_dim, causal, 1, q, k)
+
+
+def some_variant(prob, index):
+    return load_space("fwd").valid_variants(prob, DEVICE)[index]
+
+
+def make_db(path, rows, device=DEVICE, template_hash=THASH):
+    store = Store(path)
+    store.add_gpu(device)
+    for prob, variant_json in rows:
+        store.set_winner(gpu_key=device.key, problem=prob, template_hash=template_hash, variant_json=variant_json,
+                         median_ms=1.0, spread=0.01, tflops=1.0, trials=5)
+    store.close()
+    return path
+
+
+def test_exact_nearest_and_default(tmp_path):
+    p1k, p8k = problem(1024, 1024), problem(8192, 8192)
+    v1, v8 = some_variant(p1k, 3), some_variant(p8k, 7)
+    db = make_db(tmp_path / "w.db", [(p1k, v1.json()), (p8k, v8.json())])
+    table = WinnerTable(DEVICE, [db])
+    assert table.lookup(p1k) == (v1, "exact")
+    variant, how = table.lookup(problem(2048, 2048))
+    assert variant == v1 and how.startswith("nearest")
+    assert table.lookup(problem(16384, 16384))[0] == v8
+    assert table.lookup(problem(causal=True)) == (None, "default")  # no causal winner: default
+    assert table.lookup(problem(head_dim=128)) == (None, "default")
+
+
+def test_user_db_wins_over_shipped(tmp_path):
+    p = problem()
+    user = make_db(tmp_path / "user.db", [(p, some_variant(p, 1).json())])
+    shipped = make_db(tmp_path / "shipped.db", [(p, some_variant(p, 2).json())])
+    assert WinnerTable(DEVICE, [user, shipped]).lookup(p)[0] == some_variant(p, 1)
+
+
+def test_foreign_gpu_and_stale_template_are_ignored(tmp_path):
+    p = problem()
+    other = dataclasses.replace(DEVICE, name="Some Other GPU")
+    db1 = make_db(tmp_path / "foreign.db", [(p, some_variant(p, 1).json())], device=other)
+    db2 = make_db(tmp_path / "stale.db", [(p, some_variant(p, 1).json())], template_hash="0" * 16)
+    assert WinnerTable(DEVICE, [db1, db2]).rows == {}
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: {**d, "BLOCK_M": 96},  # outside the declared choices
+    lambda d: {**d, "LOADS": "tma\"\nimport os; os.system('touch /tmp/pwned')\n#"},  # injected text
+    lambda d: {**d, "EXTRA": 1},  # unknown knob
+    lambda d: "not a dict",
+])
+def test_out_of_space_or_injected_rows_are_rejected(tmp_path, mutate):
+    p = problem()
+    bad = json.dumps(mutate(some_variant(p, 0).as_dict()))
+    db = make_db(tmp_path / "bad.db", [(p, bad)])
+    before = set(codegen.kernel_cache_dir().glob("*.py")) if codegen.kernel_cache_dir().exists() else set()
+    with pytest.warns(RuntimeWarning, match="rejected winner"):
+        table = WinnerTable(DEVICE, [db])
+    assert table.rows == {}
+    after = set(codegen.kernel_cache_dir().glob("*.py")) if codegen.kernel_cache_dir().exists() else set()
+    assert not any("pwned" in f.read_text() for f in after - before)
+
+
+def test_corrupt_or_foreign_version_db_warns_and_uses_default(tmp_path):
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"garbage" * 1000)
+    with pytest.warns(RuntimeWarning, match="ignoring results DB"):
+        table = WinnerTable(DEVICE, [corrupt, tmp_path / "missing.db"])
+    assert table.lookup(problem()) == (None, "default")
+    d = Dispatcher(winner_paths=[corrupt])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        v = d.variant_for(problem(), DEVICE, tma_ok=True)
+    assert v == default_variant("fwd", "float16", 64, True)
+
+
+@pytest.mark.interpreter
+def test_dispatcher_launches_the_tuned_winner(tmp_path):
+    p = problem(64, 64, causal=True)
+    winner = load_space("fwd").validate(dict(default_variant("fwd", "float16", 64, True).as_dict(),
+                                             BLOCK_M=64, BLOCK_N=32, LOADS="block_ptr"), p, DEVICE)
+    d = Dispatcher(winner_paths=[make_db(tmp_path / "w.db", [(p, winner.json())])])
+    q = torch.randn(1, 2, 61, 64, dtype=torch.float16)
+    out = torch.empty_like(q)
+    module = d.module_for(q, q, q, out, causal=True)
+    assert (module.BLOCK_M, module.BLOCK_N, module.LOADS) == (64, 32, "block_ptr")
+    lse = torch.empty(1, 2, 61)
+    d.forward(q, q, q, out, lse, 0.125, True, 0)
+    ref, _ = reference(q, q, q, True, 0, 0.125)
+    assert rel_error(out, ref) < 2e-3

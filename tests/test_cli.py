@@ -79,7 +79,10 @@ def test_db_path_and_list(tmp_path, monkeypatch):
     assert r.exit_code != 0 and "no database" in r.output
 
 
-def test_search_quality_on_a_recorded_sweep(tmp_path):
+def test_search_quality_on_a_recorded_sweep(tmp_path, monkeypatch):
+    import autoflash.cli
+
+    monkeypatch.setattr(autoflash.cli.console, "width", 200)
     from autoflash.problem import Problem, gpu_fingerprint
     from autoflash.space import load_space
     from autoflash.store import Store
@@ -96,3 +99,6 @@ def test_search_quality_on_a_recorded_sweep(tmp_path):
     r = CliRunner().invoke(cli, ["search-quality", "--db", str(tmp_path / "sweep.db"), "--seeds", "2", "--trials", "30"],
                            catch_exceptions=False, terminal_width=200)
     assert r.exit_code == 0 and "fwd/float16/d256/full/g1/q2048/k2048" in r.output
+    row = next(line for line in r.output.splitlines() if "d256" in line)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert int(cells[1]) == len(load_space("fwd").valid_variants(prob, dev))  # variants in the sweep

@@ -103,15 +103,13 @@ def render(op, dtype, head_dim, causal, variant_json):
     click.echo(codegen.render(variant), nl=False)
 
 
-def _require_gpu(what: str) -> None:
+def _require_gpu(what: str, hint: str = "") -> None:
     import torch
 
     from autoflash.problem import interpreter_enabled
 
     if not torch.cuda.is_available() or interpreter_enabled():
-        raise click.ClickException(
-            f"{what} needs a CUDA GPU: none is visible here. Use --interpret to run the whole "
-            "pipeline on tiny shapes in Triton's CPU interpreter (correctness only, no real timings).")
+        raise click.ClickException(f"{what} needs a CUDA GPU: none is visible here.{hint}")
 
 
 @cli.command()
@@ -250,7 +248,8 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
         os.environ["TRITON_INTERPRET"] = "1"
         gpu_fingerprint.cache_clear()
     else:
-        _require_gpu("autoflash tune")
+        _require_gpu("autoflash tune", " Use --interpret to run the whole pipeline on tiny shapes in "
+                     "Triton's CPU interpreter (correctness is real, timings are not GPU performance).")
     shape_list = load_shape_set(shapes or ("tiny" if interpret else "standard"))
     if dtype:
         shape_list = [dataclasses.replace(s, dtype=dtype) for s in shape_list]

@@ -7,6 +7,7 @@ are no block multiple, GQA, causal with both alignments, Nq != Nk), in float32 a
 import collections
 import math
 import random
+import zlib
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def test_variant_matches_float64_reference(variant, case, dtype):
     nq, nk, d, hq, hkv, causal, align = case
     shape = Shape(2 if nq < 64 else 1, hq, hkv, nq, nk, d, causal, dtype)
     module = codegen.load(variant)
-    q, k, v = make_inputs(shape, "cpu", seed=hash(variant.json()) % 1000, layout="bnhd" if nq % 2 else "bhnd")
+    q, k, v = make_inputs(shape, "cpu", seed=zlib.crc32(variant.json().encode()) % 1000, layout="bnhd" if nq % 2 else "bhnd")
     offset = nk - nq if align == "bottom_right" else 0
     scale = 0.7 / math.sqrt(d)  # not the default: any scale must work
     out, lse = run_variant(module, q, k, v, causal, offset, scale)

@@ -275,8 +275,13 @@ class Tuner:
         if not ok:
             return ProblemResult(shape, problem, None, {}, math.nan, measured, failed, "no_valid_candidate")
         top = [r["variant"] for r in ok[: self.opt.top_k]]
-        if any(r["variant"] == default.json() for r in ok):
+        passed = {r["variant"] for r in ok}
+        if default.json() in passed:
             top.append(default.json())  # a gated default competes in the final round too
+        previous = self.store.winner(self.gpu_key, problem.key, thash)
+        incumbent = previous["variant"] if previous and previous["variant"] in passed else None
+        if incumbent:
+            top.append(incumbent)
         top = list(dict.fromkeys(top))
         methods = list(dict.fromkeys(top + [default.json()]))
         if not self.opt.interpret:
@@ -289,8 +294,13 @@ class Tuner:
             samples = result["samples"]
         medians = {m: _median(samples.get(m, [])) for m in methods}
         winner_json = min(top, key=lambda m: medians[m] if math.isfinite(medians[m]) else math.inf)
-        win = samples.get(winner_json, [])
-        spread = (max(win) - min(win)) / medians[winner_json] if len(win) > 1 and medians[winner_json] else 0.0
+        spread = _spread(samples.get(winner_json, []))
+        # Noise band: a re-tune keeps the stored winner unless a challenger beats it by more than
+        # the winner's own round-to-round spread (at least 1%), so winners do not flap on noise.
+        band = max(0.01, spread)
+        if incumbent and winner_json != incumbent and medians[incumbent] <= medians[winner_json] * (1 + band):
+            winner_json = incumbent
+            spread = _spread(samples.get(winner_json, []))
         ms = {"tuned": medians[winner_json], "default": medians.get(default.json(), math.nan),
               "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
         winner = Variant.of(problem.op, json.loads(winner_json))
@@ -373,6 +383,13 @@ def search_quality(table: dict, problem: Problem, device: GPUFingerprint, seeds:
     return {"space": len(table), "best_ms": best, "default_ms": table.get(default.json()),
             "within_tolerance": sum(ms <= best * (1 + tolerance) for ms in table.values()),
             "tpe": tpe, "random_median": statistics.median(rnd)}
+
+
+def _spread(xs) -> float:
+    """(max - min) / median of a candidate's re-measurement rounds."""
+    m = _median(xs)
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return (max(xs) - min(xs)) / m if len(xs) > 1 and m > 0 else 0.0
 
 
 def _median(xs) -> float:

@@ -88,9 +88,6 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p) -> str | None:
         return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
     if d > MAX_HEAD_DIM or d % 8:
         return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
-    if q.requires_grad or k.requires_grad or v.requires_grad:
-        if torch.is_grad_enabled():
-            return "the backward pass is not implemented yet (inputs require grad)"
     if min(q.shape[2], k.shape[2]) == 0:
         return "an empty sequence"
     return None
@@ -100,7 +97,8 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
                      out: torch.Tensor | None = None):
     """Run the kernel directly. q: (B, H, Nq, D), k/v: (B, H_kv, Nk, D), any strides.
 
-    Returns (out (B, H, Nq, D), lse (B, H, Nq) float32, natural log). Key j is visible to query i
+    Returns (out (B, H, Nq, D) in q's memory layout unless `out` is given, lse (B, H, Nq) float32,
+    natural log), not differentiable (the public functions are). Key j is visible to query i
     iff j <= i + causal_offset when causal. Rows that see no key get out = 0 and lse = +inf.
     No validation or fallback: the public functions do that.
     """
@@ -108,11 +106,28 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
 
     b, h, nq, d = q.shape
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty_like(q)  # q's memory layout (see flash_attn_func)
     lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     get_dispatcher().forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
     return out, lse
+
+
+def _needs_op(q, k, v) -> bool:
+    """Autograd or torch.compile need the registered custom op; plain inference calls skip its overhead."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _run(q, k, v, causal: bool, causal_offset: int, scale):
+    """Output in q's memory layout from the kernels, differentiable when needed."""
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if _needs_op(q, k, v):
+        from autoflash import ops
+
+        return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
+    return forward_with_lse(q, k, v, causal=causal, causal_offset=causal_offset, scale=sm_scale)[0]
 
 
 def _sdpa_fallback(q, k, v, attn_mask, dropout_p, causal, causal_offset, scale):
@@ -156,7 +171,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if reason is not None:
         _fallback(reason)
         return _sdpa_fallback(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
-    return forward_with_lse(query, key, value, causal=is_causal, causal_offset=0, scale=scale)[0]
+    return _run(query, key, value, is_causal, 0, scale).contiguous()
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
@@ -183,6 +198,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     if reason is not None:
         _fallback(reason)
         return _sdpa_fallback(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    forward_with_lse(qt, kt, vt, causal=causal, causal_offset=offset, scale=softmax_scale, out=out.transpose(1, 2))
-    return out
+    # The kernels write the output in q's memory layout, so (B, N, H, D) inputs give a
+    # (B, N, H, D) result with no copy.
+    return _run(qt, kt, vt, causal, offset, softmax_scale).transpose(1, 2).contiguous()

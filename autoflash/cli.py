@@ -18,7 +18,7 @@ def _problem_options(f):
     f = click.option("--causal/--no-causal", default=False, show_default=True, help="Causal problem.")(f)
     f = click.option("--head-dim", type=int, default=128, show_default=True, help="Head dim.")(f)
     f = click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True)(f)
-    f = click.option("--op", type=click.Choice(["fwd"]), default="fwd", show_default=True, help="Kernel op.")(f)
+    f = click.option("--op", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True, help="Kernel op.")(f)
     return f
 
 

@@ -25,6 +25,11 @@ log = logging.getLogger("autoflash")
 
 def default_variant(op: str, dtype: str, head_dim: int, has_tma: bool) -> Variant:
     """The built-in variant used when nothing is tuned for a problem (a sane Hopper-ish choice)."""
+    if op == "bwd":
+        big = head_dim > 128
+        return Variant.of(op, dict(BLOCK_M1=32, BLOCK_N1=64 if big else 128, BLOCK_M2=64 if big else 128,
+                                   BLOCK_N2=32, num_warps=4 if big else 8, num_stages=2 if dtype == "float32" else 3,
+                                   DQ_MODE="separate"))
     if op != "fwd":
         raise ValueError(f"no default variant for op {op!r}")
     if head_dim <= 64:
@@ -184,20 +189,20 @@ class Dispatcher:
                 log.info("autoflash: no tuned kernels for %s; using built-in defaults (run `autoflash tune`)",
                          device.name)
             preferred = default_variant(problem.op, problem.dtype, problem.head_dim, device.cc_major >= 9)
-        if preferred["LOADS"] == "tma" and not tma_ok:
+        if preferred.as_dict().get("LOADS") == "tma" and not tma_ok:
             preferred = preferred.replace(LOADS="pointer", WARP_SPECIALIZE=False)
         return nearest_valid(preferred, problem, device)
 
-    def module_for(self, q, k, v, o, causal: bool):
+    def module_for(self, q, k, v, o, causal: bool, op: str = "fwd"):
         device_index = q.device.index if q.is_cuda else None
         tma_ok = tma_compatible(q, k, v, o)
-        key = (q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1], seqlen_bucket(q.shape[2]),
+        key = (op, q.dtype, q.shape[-1], causal, q.shape[1] // k.shape[1], seqlen_bucket(q.shape[2]),
                seqlen_bucket(k.shape[2]), device_index, tma_ok)
         module = self._table.get(key)
         if module is None:
             with self._lock:
                 device = gpu_fingerprint(device_index)
-                problem = self.problem_for(q, k, causal)
+                problem = self.problem_for(q, k, causal, op)
                 variant = self.variant_for(problem, device, tma_ok, device_index)
                 log.debug("autoflash: %s -> %s", problem.key, variant.json())
                 module = codegen.load(variant)
@@ -209,6 +214,10 @@ class Dispatcher:
         if module.LOADS == "tma":
             ensure_allocator()
         module.launch(q, k, v, o, lse, sm_scale, causal, causal_offset)
+
+    def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
+        module = self.module_for(q, k, v, o, causal, op="bwd")
+        module.launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset)
 
 
 _dispatcher: Dispatcher | None = None

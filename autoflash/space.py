@@ -20,7 +20,7 @@ from autoflash import resources
 from autoflash.problem import GPUFingerprint, Problem
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-OPS = {"fwd": "attn_fwd.toml"}
+OPS = {"fwd": "attn_fwd.toml", "bwd": "attn_bwd.toml"}
 
 
 class InvalidVariant(ValueError):
@@ -83,6 +83,8 @@ class Variant:
 
     def short(self) -> str:
         d = self.as_dict()
+        if "BLOCK_M" not in d:
+            return " ".join(f"{k}={v}" for k, v in d.items())
         head = f"{d.get('BLOCK_M')}x{d.get('BLOCK_N')} w{d.get('num_warps')} s{d.get('num_stages')}"
         rest = " ".join(f"{k}={v}" for k, v in d.items()
                         if k not in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))

@@ -156,9 +156,51 @@ def test_bf16_in_interpreter_falls_back_never_wrong():
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q))
 
 
-def test_requires_grad_falls_back_until_backward_exists():
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=str)
+def test_gradients_through_both_apis(shape, strict):
+    """fp32 gradients of attention and flash_attn_func vs float64 autograd of the reference."""
+    b, hq, hkv, nq, nk, d, causal = shape
+    q, k, v = rand(b, hq, nq, d, seed=1), rand(b, hkv, nk, d, seed=2), rand(b, hkv, nk, d, seed=3)
+    grad = rand(b, hq, nq, d, seed=4)
+    for api_form in ("sdpa", "flash"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if api_form == "sdpa":
+            out = autoflash.attention(*leaves, is_causal=causal, enable_gqa=hq != hkv)
+            out.backward(grad)
+            offset = 0
+        else:
+            out = autoflash.flash_attn_func(*(t.transpose(1, 2) for t in leaves), causal=causal)
+            out.backward(grad.transpose(1, 2))
+            offset = nk - nq
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref, _ = reference(*ref_leaves, causal, offset, 1 / math.sqrt(d))
+        ref.backward(grad.double())
+        for mine, theirs in zip(leaves, ref_leaves):
+            assert rel_error(mine.grad, theirs.grad) <= 1e-5, api_form
+
+
+def test_no_grad_inference_skips_autograd():
     q = rand(1, 2, 16, 32).requires_grad_()
-    with pytest.warns(api.FallbackWarning, match="backward"):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         out = autoflash.attention(q, q, q)
+    assert not out.requires_grad
+
+
+@pytest.mark.interpreter
+def test_torch_compile_fullgraph_forward_and_backward(strict):
+    """The kernels are torch.library custom ops: no graph break, gradients flow through."""
+    def model(q, k, v):
+        return autoflash.attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    q = rand(1, 4, 37, 64, seed=1).requires_grad_()
+    k, v = rand(1, 2, 37, 64, seed=2), rand(1, 2, 37, 64, seed=3)
+    out = compiled(q, k, v)
+    ref, _ = reference(q.detach(), k, v, True, 0, 1 / 8)
+    assert rel_error(out.detach() / 2, ref) <= 1e-5
     out.sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
+    q_eager = q.detach().clone().requires_grad_()
+    model(q_eager, k, v).sum().backward()
+    torch.testing.assert_close(q.grad, q_eager.grad)

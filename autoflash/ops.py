@@ -1,0 +1,59 @@
+"""The kernels as `torch.library` custom ops, with autograd.
+
+`autoflash::attn_fwd` returns (out, lse); its backward is `autoflash::attn_bwd`, which recomputes
+the score tiles from q, k, v, out and lse (the only tensors saved: memory stays linear in N).
+Registered as custom ops with fake (meta) implementations, so torch.compile treats each as one
+opaque node instead of tracing into Triton's launcher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autoflash.dispatch import get_dispatcher
+
+
+@torch.library.custom_op("autoflash::attn_fwd", mutates_args=())
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+             causal_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (B, H, Nq, D), k/v: (B, H_kv, Nk, D), any strides -> out (q's memory layout), lse (B, H, Nq) fp32."""
+    out = torch.empty_like(q)  # preserves q's layout: a (B,N,H,D)-strided view gives a (B,N,H,D) buffer
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    get_dispatcher().forward(q, k, v, out, lse, scale, causal, causal_offset)
+    return out, lse
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, scale, causal, causal_offset):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("autoflash::attn_bwd", mutates_args=())
+def attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, scale: float, causal: bool,
+             causal_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    get_dispatcher().backward(q, k, v, out, lse, grad_out, dq, dk, dv, scale, causal, causal_offset)
+    return dq, dk, dv
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(grad_out, q, k, v, out, lse, scale, causal, causal_offset):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, causal, causal_offset = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale, ctx.causal, ctx.causal_offset = scale, causal, causal_offset
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.causal_offset)
+    return dq, dk, dv, None, None, None
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)

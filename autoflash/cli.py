@@ -183,6 +183,13 @@ class _RichReporter:
             self.progress.console.print(f"[red]{result.shape.label()}[/]: {result.status}")
 
 
+def _fmt(x: float) -> str:
+    """TFLOP/s for a table cell: '-' when not measured, 2 significant digits when tiny."""
+    if x != x:
+        return "-"
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
+
+
 def _results_table(results, title):
     import math
 
@@ -202,14 +209,15 @@ def _results_table(results, title):
         ratios["cudnn"].append(rc)
         ratios["flash"].append(rf)
         ratios["default"].append(rd)
-        t.add_row(r.shape.label(), *(f"{tf[m]:.1f}" for m in tf), f"{rc:.2f}", f"{rf:.2f}", f"{rd:.2f}",
+        t.add_row(r.shape.label(), *(_fmt(tf[m]) for m in tf), *(f"{x:.2f}" if x == x else "-" for x in (rc, rf, rd)),
                   f"{r.spread * 100:.1f}%" if r.spread == r.spread else "-", f"{r.measured} ({r.failed})")
-    t.add_row("[bold]geomean[/]", "", "", "", "", *(f"[bold]{geomean(ratios[k]):.3f}[/]" for k in ("cudnn", "flash", "default")), "", "")
+    means = [geomean(ratios[k]) for k in ("cudnn", "flash", "default")]
+    t.add_row("[bold]geomean[/]", "", "", "", "", *(f"[bold]{m:.3f}[/]" if m == m else "-" for m in means), "", "")
     return t
 
 
 @cli.command()
-@click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune (fwd).")
+@click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune: fwd, bwd.")
 @click.option("--shapes", default=None, help="Shape set: standard (default), gqa, tiny (default with --interpret), or a TOML file.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Override the shape set's dtype.")
 @click.option("--budget", type=float, default=None, help="Time budget for the whole run, in minutes.")
@@ -241,16 +249,16 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
     from autoflash.store import Store, StoreError
 
     op_list = [o.strip() for o in ops.split(",") if o.strip()]
-    unknown = [o for o in op_list if o != "fwd"]
-    if unknown:
-        raise click.ClickException(f"op(s) {unknown} cannot be tuned yet: only 'fwd' exists (the backward pass is not implemented)")
+    unknown = [o for o in op_list if o not in ("fwd", "bwd")]
+    if unknown or not op_list:
+        raise click.ClickException(f"unknown op(s) {unknown or ops!r}: choose from fwd, bwd")
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
         gpu_fingerprint.cache_clear()
     else:
         _require_gpu("autoflash tune", " Use --interpret to run the whole pipeline on tiny shapes in "
                      "Triton's CPU interpreter (correctness is real, timings are not GPU performance).")
-    shape_list = load_shape_set(shapes or ("tiny" if interpret else "standard"))
+    shape_list = [s for op in op_list for s in load_shape_set(shapes or ("tiny" if interpret else "standard"), op)]
     if dtype:
         shape_list = [dataclasses.replace(s, dtype=dtype) for s in shape_list]
     if interpret and any(s.dtype == "bfloat16" for s in shape_list):
@@ -273,7 +281,7 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
     with Progress(*columns, console=console, transient=False) as progress:
         results = tune_mod.tune(shape_list, store, options, reporter=_RichReporter(progress),
                                 command=" ".join(["autoflash", *sys.argv[1:]]))
-    title = f"forward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
+    title = f"TFLOP/s ({', '.join(op_list)}) on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
     if interpret:
         title += " (interpreter: not GPU performance)"
     table = _results_table(results, title)

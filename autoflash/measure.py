@@ -135,6 +135,11 @@ def run_variant(module, q, k, v, causal: bool, causal_offset: int, scale: float)
 
 
 def check(module, shape: Shape, device, seed: int = 0) -> GateResult:
+    """The correctness gate of a forward or backward variant (by `module.OP`)."""
+    return (check_backward if module.OP == "bwd" else check_forward)(module, shape, device, seed)
+
+
+def check_forward(module, shape: Shape, device, seed: int = 0) -> GateResult:
     """The correctness gate over the ragged gate shapes of `shape`'s problem.
 
     Alternate shapes use (B,N,H,D)-strided inputs and bottom-right causal alignment, so one
@@ -161,6 +166,57 @@ def check(module, shape: Shape, device, seed: int = 0) -> GateResult:
     return worst
 
 
+GRAD_GATE_FACTOR = 3.0  # gradients: error <= 3x SDPA's own gradient error (DESIGN.md §4)
+
+
+def _forward_for_backward(q, k, v, causal, offset, scale):
+    """out and lse from the dispatcher's forward kernel: what a backward variant consumes."""
+    from autoflash.api import forward_with_lse
+
+    return forward_with_lse(q, k, v, causal=causal, causal_offset=offset, scale=scale)
+
+
+def _sdpa_grads(q, k, v, grad, causal, offset, scale):
+    from autoflash.api import _sdpa_fallback
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    _sdpa_fallback(*leaves, None, 0.0, causal, offset, scale).backward(grad)
+    return [t.grad for t in leaves]
+
+
+def reference_grads(q, k, v, grad, causal, offset, scale, dtype=torch.float64):
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, _ = reference(*leaves, causal, offset, scale, dtype=dtype)
+    out.backward(grad.to(dtype))
+    return [t.grad for t in leaves]
+
+
+def check_backward(module, shape: Shape, device, seed: int = 0) -> GateResult:
+    """Gradient gate: dQ, dK, dV (poisoned first) vs float64 autograd, each within 3x SDPA's error."""
+    worst = GateResult(True, 0.0, 0.0, 0.0)
+    for i, gs in enumerate(gate_shapes(shape)):
+        q, k, v = make_inputs(gs, device, seed=seed + i, layout="bnhd" if i % 2 else "bhnd")
+        grad = make_inputs(gs, device, seed=seed + 100 + i)[0]
+        off = causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")
+        scale = 1.0 / math.sqrt(gs.head_dim)
+        out, lse = _forward_for_backward(q, k, v, gs.causal, off, scale)
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        module.launch(q, k, v, out, lse, grad, *grads, scale, gs.causal, off)
+        refs = reference_grads(q, k, v, grad, gs.causal, off, scale)
+        theirs = _sdpa_grads(q, k, v, grad, gs.causal, off, scale)
+        for name, mine, ref, sd in zip(("dq", "dk", "dv"), grads, refs, theirs):
+            err, s_err = rel_error(mine, ref), rel_error(sd, ref)
+            bound = max(GRAD_GATE_FACTOR * s_err, GATE_FLOOR[gs.dtype])
+            ok = math.isfinite(err) and err <= bound
+            worst = GateResult(worst.passed and ok, max(worst.err, err if math.isfinite(err) else math.inf),
+                               max(worst.sdpa_err, s_err), 0.0, worst.detail)
+            if not ok:
+                worst.detail = (f"wrong {name} on {gs.label()}: rel err {err:.3g} (bound {bound:.3g}, "
+                                f"SDPA {s_err:.3g})")
+                return worst
+    return worst
+
+
 # --------------------------------------------------------------------------- timing
 def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median milliseconds of fn() with CUDA events and an L2 flush between runs."""
@@ -173,6 +229,8 @@ def time_variant(module, shape: Shape, device, rep_ms: float = 100, align: str =
     q, k, v = make_inputs(shape, device, seed=1234)
     off = causal_offset_for(shape, align)
     scale = 1.0 / math.sqrt(shape.head_dim)
+    if module.OP == "bwd":
+        return _time_callable(_backward_callable(module, shape, q, k, v, off, scale), device, rep_ms)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     if module.LOADS == "tma":
@@ -238,6 +296,14 @@ def evaluate_variant(variant_json: str, op: str, shape: Shape, rep_ms: float, de
     return Outcome("ok", ms=ms, err=gate.err, sdpa_err=gate.sdpa_err, seconds=time.perf_counter() - t0)
 
 
+def _backward_callable(module, shape: Shape, q, k, v, off, scale):
+    """A no-argument launch of a backward variant on fixed inputs (out/lse from the forward)."""
+    grad = make_inputs(shape, q.device, seed=4321)[0]
+    out, lse = _forward_for_backward(q, k, v, shape.causal, off, scale)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    return lambda: module.launch(q, k, v, out, lse, grad, *grads, scale, shape.causal, off)
+
+
 def _gate_and_timing_inputs(shape: Shape, device):
     """(q, k, v, causal_offset) for every argument configuration the gate and timing launch."""
     configs = []
@@ -259,7 +325,9 @@ def compile_variant(variant_json: str, op: str, shape: Shape, rep_ms: float, dev
     variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, variant_json)).as_dict())
     try:
         module = codegen.load(variant)
-        if device_str != "cpu":  # the interpreter has nothing to compile
+        # The interpreter has nothing to compile; a backward variant (several kernels, one
+        # launcher) is compiled by its first launch in the measuring worker.
+        if device_str != "cpu" and module.OP == "fwd":
             from autoflash.dispatch import ensure_allocator
 
             ensure_allocator()
@@ -289,10 +357,13 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
     for m in methods:
         if m.startswith("sdpa_"):
             if device.type == "cuda":
-                fns[m] = sdpa_callable(m[5:], shape, q, k, v)
+                fns[m] = sdpa_callable(m[5:], shape, q, k, v, backward=(op == "bwd"))
             continue
         variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, m)).as_dict())
         module = codegen.load(variant)
+        if module.OP == "bwd":
+            fns[m] = _backward_callable(module, shape, q, k, v, 0, scale)
+            continue
         if module.LOADS == "tma":
             from autoflash.dispatch import ensure_allocator
             ensure_allocator()
@@ -313,16 +384,29 @@ def _time_callable(fn, device, rep_ms: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def sdpa_callable(backend: str, shape: Shape, q, k, v):
+def sdpa_callable(backend: str, shape: Shape, q, k, v, backward: bool = False):
+    """A no-argument call of torch SDPA with one backend forced (its backward only, when asked),
+    or None when that backend refuses the shape."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
     gqa = shape.heads_q != shape.heads_kv
+    if backward:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        try:
+            with sdpa_kernel([which]):
+                out = F.scaled_dot_product_attention(*leaves, is_causal=shape.causal, enable_gqa=gqa)
+        except RuntimeError:
+            return None
+        grad = torch.randn_like(out)
 
-    def fn():
-        with sdpa_kernel([which]):
-            F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
+        def fn():
+            torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    else:
+        def fn():
+            with sdpa_kernel([which]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
 
     try:
         fn()

@@ -82,16 +82,17 @@ class Shape:
                        seqlen_q=seqlen_bucket(self.seqlen_q), seqlen_k=seqlen_bucket(self.seqlen_k))
 
     def flops(self) -> float:
-        """Forward FLOPs: 4*B*H*Nq*Nk*D (two matmuls), halved when causal (approximately)."""
+        """Forward FLOPs 4*B*H*Nq*Nk*D (two matmuls), halved when causal; the backward counts
+        2.5x the forward (five matmuls), forward+backward 3.5x."""
         f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         if self.causal:
             f /= 2
-        return f * (3.5 if self.op == "fwdbwd" else 1.0)
+        return f * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[self.op]
 
     def label(self) -> str:
         c = " causal" if self.causal else ""
         g = f" gqa{self.heads_q}/{self.heads_kv}" if self.heads_q != self.heads_kv else ""
-        return (f"{self.dtype} B{self.batch} H{self.heads_q} q{self.seqlen_q} k{self.seqlen_k} "
+        return (f"{'' if self.op == 'fwd' else self.op + ' '}{self.dtype} B{self.batch} H{self.heads_q} q{self.seqlen_q} k{self.seqlen_k} "
                 f"d{self.head_dim}{c}{g}")
 
 

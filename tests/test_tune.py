@@ -158,3 +158,14 @@ def test_replay_search_learns_a_structured_objective():
     seq = replay_search(table, problem, device, trials=60, seed=0)
     assert len(seq) == 60
     assert min(seq) <= 1.05 * best, (min(seq), best, len(valid))
+
+
+def test_backward_tuning_in_the_interpreter(tmp_path):
+    """op bwd: the gradient gate runs for every candidate and winners are stored under bwd keys."""
+    store = Store(tmp_path / "t.db")
+    shape = Shape(1, 4, 2, 45, 45, 64, True, "float16", op="bwd")
+    (result,) = tune([shape], store, TuneOptions(trials=3, interpret=True))
+    assert result.status == "tuned" and result.problem.op == "bwd"
+    rows = list(store.db["trials"].rows)
+    assert len(rows) == 3 and all(r["status"] == "ok" and r["err"] is not None for r in rows)
+    assert store.winners(op="bwd")[0]["problem"].startswith("bwd/float16/d64/causal/g2/")

@@ -73,6 +73,64 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
     return rows
 
 
+def _fwdbwd_fn(method: str, shape: Shape, q, k, v, grad) -> Callable[[], None] | None:
+    """Forward + backward through autograd: autoflash.attention or SDPA with one backend forced."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import autoflash
+
+    gqa = shape.heads_q != shape.heads_kv
+    if method == "autoflash":
+        def fn():
+            autoflash.attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa).backward(grad)
+    else:
+        which = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}[method]
+
+        def fn():
+            with sdpa_kernel([which]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa).backward(grad)
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return None
+    return fn
+
+
+def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "sdpa_cudnn", "sdpa_flash"), rounds: int = 3,
+               rep_ms: float = 100, memory: bool = False, progress=None) -> tuple[list[BenchRow], dict]:
+    """Forward+backward timings (FLOPs counted as 3.5x forward) and, with memory=True, the peak
+    memory each method allocates above its inputs, per shape label (bytes)."""
+    rows, peaks = [], {}
+    for shape in shapes:
+        if progress:
+            progress(shape.label())
+        q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=7))
+        grad = torch.randn_like(q)
+        fns = {m: _fwdbwd_fn(m, shape, q, k, v, grad) for m in methods}
+        if memory:
+            for m, fn in fns.items():
+                if fn is None:
+                    continue
+                for t in (q, k, v):
+                    t.grad = None
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fn()
+                torch.cuda.synchronize()
+                peaks[(shape.label(), m)] = torch.cuda.max_memory_allocated() - base
+        samples = {m: [] for m, fn in fns.items() if fn is not None}
+        for _ in range(rounds):
+            for m in samples:
+                samples[m].append(bench_ms(fns[m], warmup_ms=10, rep_ms=rep_ms))
+        ms = {m: statistics.median(samples[m]) if m in samples else float("nan") for m in methods}
+        rows.append(BenchRow(dataclasses.replace(shape, op="fwdbwd"), ms))
+        del q, k, v, grad
+    return rows, peaks
+
+
 def summary(rows: list[BenchRow], methods: list[str], base: str = "sdpa_cudnn") -> dict:
     """Geomean TFLOP/s per method and geomean ratio to `base`."""
     return {m: (geomean([r.tflops(m) for r in rows]), geomean([r.ratio(m, base) for r in rows]))

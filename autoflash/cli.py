@@ -118,7 +118,9 @@ def _require_gpu(what: str, hint: str = "") -> None:
 @click.option("--rounds", default=3, show_default=True, help="Interleaved timing rounds per shape.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Save a bar chart (PNG) here.")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), help="Write the table as Markdown here.")
-def bench(shapes, rounds, plot_path, md_path):
+@click.option("--fwdbwd", is_flag=True, help="Time forward+backward through autograd instead of the forward.")
+@click.option("--memory", is_flag=True, help="With --fwdbwd: also report each method's peak memory above its inputs.")
+def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of do_bench medians.
@@ -126,12 +128,34 @@ def bench(shapes, rounds, plot_path, md_path):
     Example: autoflash bench --shapes standard --plot bench.png
     """
     _require_gpu("autoflash bench")
+    import dataclasses
+
     from autoflash import bench as bench_mod
     from autoflash.dispatch import default_variant, get_dispatcher
     from autoflash.problem import gpu_fingerprint, load_shape_set
 
     device = gpu_fingerprint()
     shape_list = load_shape_set(shapes)
+    if fwdbwd:
+        with console.status("benchmarking forward+backward") as status:
+            rows, peaks = bench_mod.run_fwdbwd(shape_list, rounds=rounds, memory=memory,
+                                               progress=lambda label: status.update(f"benchmarking {label}"))
+        methods = ["autoflash", "sdpa_cudnn", "sdpa_flash"]
+        title = f"forward+backward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
+        console.print(bench_mod.rich_table(rows, methods, title))
+        if memory:
+            mt = Table(title="peak memory above the inputs (GiB), forward+backward")
+            for col in ("shape", *methods, "autoflash / sdpa_flash"):
+                mt.add_column(col)
+            for r in rows:
+                label = dataclasses.replace(r.shape, op="fwd").label()
+                gib = {m: peaks.get((label, m), float("nan")) / 2**30 for m in methods}
+                mt.add_row(label, *(f"{gib[m]:.2f}" for m in methods), f"{gib['autoflash'] / gib['sdpa_flash']:.3f}")
+            console.print(mt)
+        if md_path:
+            with open(md_path, "w") as f:
+                f.write(bench_mod.markdown_table(rows, methods) + "\n")
+        return
     disp = get_dispatcher()
     choosers = {
         "autoflash": lambda s: disp.variant_for(s.problem, device, tma_ok=True),

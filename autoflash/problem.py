@@ -120,11 +120,15 @@ class GPUFingerprint:
         return dataclasses.asdict(self)
 
 
-SHAPE_SETS = {"standard": "shapes_standard.toml", "gqa": "shapes_gqa.toml", "tiny": "shapes_tiny.toml"}
+def shape_set_names() -> list[str]:
+    """Named shape sets: search_spaces/shapes_<name>.toml (standard, gqa, tiny, long, sweep_d64, ...)."""
+    from autoflash import resources
+
+    return sorted(p.stem[len("shapes_"):] for p in resources.data_dir("search_spaces").glob("shapes_*.toml"))
 
 
 def load_shape_set(name_or_path: str, op: str = "fwd") -> list[Shape]:
-    """Shapes of a named set (standard, gqa, tiny) or of a TOML file with [[grid]]/[[shape]] tables.
+    """Shapes of a named set (see `shape_set_names`) or of a TOML file with [[grid]]/[[shape]] tables.
 
     A [[grid]] crosses dtype x head_dim x causal x seqlen lists; batch comes from `tokens`
     (batch = tokens // seqlen) or `batch`; heads from `hidden` (heads = hidden // head_dim) or
@@ -136,12 +140,12 @@ def load_shape_set(name_or_path: str, op: str = "fwd") -> list[Shape]:
 
     from autoflash import resources
 
-    if name_or_path in SHAPE_SETS:
-        data = tomllib.loads(resources.read_text("search_spaces", SHAPE_SETS[name_or_path]))
+    if name_or_path in shape_set_names():
+        data = tomllib.loads(resources.read_text("search_spaces", f"shapes_{name_or_path}.toml"))
     else:
         path = pathlib.Path(name_or_path)
         if not path.is_file():
-            raise ValueError(f"unknown shape set {name_or_path!r}: not one of {sorted(SHAPE_SETS)} nor a file")
+            raise ValueError(f"unknown shape set {name_or_path!r}: not one of {shape_set_names()} nor a file")
         data = tomllib.loads(path.read_text())
     shapes = []
     for g in data.get("grid", []):

@@ -215,28 +215,34 @@ def _fmt(x: float) -> str:
 
 
 def _results_table(results, title):
+    """One row per problem: TFLOP/s of the tuned winner, the default and (on a GPU) SDPA, ratios."""
     import math
 
     from autoflash.problem import geomean
 
-    t = Table(title=title)
-    for col in ("problem / shape", "tuned", "default", "cuDNN", "flash", "tuned/cuDNN", "tuned/flash",
-                "tuned/default", "spread", "trials (failed)"):
-        t.add_column(col, justify="left" if col.startswith("problem") else "right")
-    ratios = {"cudnn": [], "flash": [], "default": []}
-    for r in results:
-        tf = {m: r.tflops(m) for m in ("tuned", "default", "sdpa_cudnn", "sdpa_flash")}
+    def ratio(r, a, b):
+        x, y = r.tflops(a), r.tflops(b)
+        return x / y if math.isfinite(x) and math.isfinite(y) and y > 0 else float("nan")
 
-        def ratio(a, b):
-            return tf[a] / tf[b] if math.isfinite(tf[a]) and math.isfinite(tf[b]) and tf[b] > 0 else float("nan")
-        rc, rf, rd = ratio("tuned", "sdpa_cudnn"), ratio("tuned", "sdpa_flash"), ratio("tuned", "default")
-        ratios["cudnn"].append(rc)
-        ratios["flash"].append(rf)
-        ratios["default"].append(rd)
-        t.add_row(r.shape.label(), *(_fmt(tf[m]) for m in tf), *(f"{x:.2f}" if x == x else "-" for x in (rc, rf, rd)),
+    with_sdpa = any(math.isfinite(r.tflops("sdpa_cudnn")) for r in results)
+    methods = ["tuned", "default"] + (["sdpa_cudnn", "sdpa_flash"] if with_sdpa else [])
+    bases = (["sdpa_cudnn", "sdpa_flash"] if with_sdpa else []) + ["default"]
+    t = Table(title=title)
+    t.add_column("shape", overflow="fold", min_width=14)
+    for m in methods:
+        t.add_column(m.replace("sdpa_", ""), justify="right")
+    for b in bases:
+        t.add_column(f"tuned /{b.replace('sdpa_', '')}", justify="right")
+    t.add_column("spread", justify="right")
+    t.add_column("trials (failed)", justify="right")
+    for r in results:
+        ratios = [ratio(r, "tuned", b) for b in bases]
+        t.add_row(r.shape.label(), *(_fmt(r.tflops(m)) for m in methods),
+                  *(f"{x:.2f}" if x == x else "-" for x in ratios),
                   f"{r.spread * 100:.1f}%" if r.spread == r.spread else "-", f"{r.measured} ({r.failed})")
-    means = [geomean(ratios[k]) for k in ("cudnn", "flash", "default")]
-    t.add_row("[bold]geomean[/]", "", "", "", "", *(f"[bold]{m:.3f}[/]" if m == m else "-" for m in means), "", "")
+    means = [geomean([ratio(r, "tuned", b) for r in results]) for b in bases]
+    t.add_row("[bold]geomean[/]", *([""] * len(methods)), *(f"[bold]{m:.3f}[/]" if m == m else "-" for m in means),
+              "", "")
     return t
 
 

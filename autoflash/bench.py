@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from autoflash import codegen
-from autoflash.measure import SDPA_BACKENDS, sdpa_callable, bench_ms, causal_offset_for, make_inputs, tflops
+from autoflash.measure import (SDPA_BACKENDS, bench_ms, causal_offset_for, if_it_runs, make_inputs, sdpa_backend,
+                               sdpa_callable, tflops)
 from autoflash.problem import Shape, geomean
 from autoflash.space import Variant
 
@@ -76,7 +77,7 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
 def _fwdbwd_fn(method: str, shape: Shape, q, k, v, grad) -> Callable[[], None] | None:
     """Forward + backward through autograd: autoflash.attention or SDPA with one backend forced."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     import autoflash
 
@@ -85,17 +86,12 @@ def _fwdbwd_fn(method: str, shape: Shape, q, k, v, grad) -> Callable[[], None] |
         def fn():
             autoflash.attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa).backward(grad)
     else:
-        which = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}[method]
+        which = sdpa_backend(method)
 
         def fn():
             with sdpa_kernel([which]):
                 F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa).backward(grad)
-    try:
-        fn()
-        torch.cuda.synchronize()
-    except RuntimeError:
-        return None
-    return fn
+    return if_it_runs(fn)
 
 
 def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "sdpa_cudnn", "sdpa_flash"), rounds: int = 3,

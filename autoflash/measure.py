@@ -388,9 +388,9 @@ def sdpa_callable(backend: str, shape: Shape, q, k, v, backward: bool = False):
     """A no-argument call of torch SDPA with one backend forced (its backward only, when asked),
     or None when that backend refuses the shape."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    which = sdpa_backend(backend)
     gqa = shape.heads_q != shape.heads_kv
     if backward:
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -407,7 +407,18 @@ def sdpa_callable(backend: str, shape: Shape, q, k, v, backward: bool = False):
         def fn():
             with sdpa_kernel([which]):
                 F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
+    return if_it_runs(fn)
 
+
+def sdpa_backend(name: str):
+    """'cudnn' / 'flash' (optionally 'sdpa_'-prefixed) -> torch's SDPBackend member."""
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name.removeprefix("sdpa_")]
+
+
+def if_it_runs(fn):
+    """fn if one call succeeds on the GPU, else None (a backend that refuses a shape raises)."""
     try:
         fn()
         torch.cuda.synchronize()

@@ -88,8 +88,8 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p) -> str | None:
         return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
     if d > MAX_HEAD_DIM or d % 8:
         return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
-    if min(q.shape[2], k.shape[2]) == 0:
-        return "an empty sequence"
+    if q.numel() == 0 or k.numel() == 0:
+        return "an empty tensor (zero batch, heads, sequence or head dim)"
     return None
 
 

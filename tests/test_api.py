@@ -204,3 +204,10 @@ def test_torch_compile_fullgraph_forward_and_backward(strict):
     q_eager = q.detach().clone().requires_grad_()
     model(q_eager, k, v).sum().backward()
     torch.testing.assert_close(q.grad, q_eager.grad)
+
+
+def test_empty_sequence_falls_back_with_sdpa_semantics():
+    q, k = rand(1, 2, 0, 32), rand(1, 2, 5, 32)
+    with pytest.warns(api.FallbackWarning, match="empty tensor"):
+        out = autoflash.attention(q, k, k)
+    assert out.shape == (1, 2, 0, 32)

@@ -423,13 +423,8 @@ def db_list(db_file, gpu, op, head_dim):
 
     Example: autoflash db list --db cache/h200-forward.db --op fwd
     """
-    from autoflash.store import Store, StoreError, default_db_path
-
-    path = db_file or default_db_path()
-    try:
-        store = Store(path, readonly=True)
-    except StoreError as e:
-        raise click.ClickException(str(e)) from None
+    store = _open_store(db_file, readonly=True)
+    path = store.path
     rows = [r for r in store.winners(op=op, head_dim=head_dim) if not gpu or gpu.lower() in r["gpu_key"].lower()]
     t = Table(title=f"winners in {path}")
     for col in ("gpu", "problem", "variant", "TFLOP/s", "spread", "trials"):
@@ -442,6 +437,106 @@ def db_list(db_file, gpu, op, head_dim):
                   f"{(r['spread'] or 0) * 100:.1f}%", str(r["trials"]))
     console.print(t)
     console.print(f"{len(rows)} winner(s)")
+
+
+def _open_store(db_file, readonly: bool):
+    from autoflash.store import Store, StoreError, default_db_path
+
+    try:
+        return Store(db_file or default_db_path(), readonly=readonly)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@db.command("show")
+@click.argument("problem_key")
+@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+def db_show(problem_key, db_file):
+    """Show the winner(s) of one problem key and its measured trials, best first.
+
+    Example: autoflash db show fwd/bfloat16/d128/causal/g1/q4096/k4096 --db cache/h200-forward.db
+    """
+    store = _open_store(db_file, readonly=True)
+    winners = [w for w in store.winners() if w["problem"] == problem_key]
+    if not winners:
+        raise click.ClickException(f"no winner for {problem_key!r} in {store.path}")
+    for w in winners:
+        t = Table(title=f"winner: {problem_key}", show_header=False)
+        for k in ("gpu_key", "template_hash", "variant", "tflops", "median_ms", "spread", "default_ms",
+                  "sdpa_cudnn_ms", "sdpa_flash_ms", "trials", "updated_at"):
+            t.add_row(k, str(w[k]))
+        console.print(t)
+    trials = list(store.db["trials"].rows_where("problem = ?", [problem_key], order_by="median_ms is null, median_ms"))
+    if trials:
+        t = Table(title=f"{len(trials)} trial(s)")
+        for col in ("status", "median ms", "TFLOP/s", "error", "variant / message"):
+            t.add_column(col)
+        for r in trials[:20]:
+            t.add_row(r["status"], f"{r['median_ms'] or float('nan'):.4f}", f"{r['tflops'] or float('nan'):.1f}",
+                      f"{r['err'] or float('nan'):.2e}", r["variant"] if r["status"] == "ok" else (r["message"] or "")[:120])
+        console.print(t)
+
+
+@db.command("export")
+@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@click.option("--format", "fmt", type=click.Choice(["json", "csv"]), default="json", show_default=True)
+@click.option("--table", type=click.Choice(["winners", "trials"]), default="winners", show_default=True,
+              help="CSV only: which table (JSON exports winners, importable elsewhere).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="-", show_default=True)
+def db_export(db_file, fmt, table, output):
+    """Export winners as JSON (for `autoflash db import`) or a table as CSV.
+
+    Example: autoflash db export -o h200-winners.json
+    """
+    import csv
+
+    store = _open_store(db_file, readonly=True)
+    with click.open_file(output, "w") as f:
+        if fmt == "json":
+            json.dump(store.export_winners(), f, indent=1, sort_keys=True)
+            f.write("\n")
+        else:
+            rows = list(store.db[table].rows)
+            writer = csv.DictWriter(f, fieldnames=list(store.db[table].columns_dict))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+@db.command("import")
+@click.argument("json_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+def db_import(json_file, db_file):
+    """Import a winners JSON export (idempotent; the faster row wins a conflict).
+
+    Example: autoflash db import h200-winners.json
+    """
+    from autoflash.store import StoreError
+
+    store = _open_store(db_file, readonly=False)
+    try:
+        with open(json_file) as f:
+            counts = store.import_winners(json.load(f))
+    except (StoreError, json.JSONDecodeError) as e:
+        raise click.ClickException(f"cannot import {json_file}: {e}") from None
+    console.print(f"imported into {store.path}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+
+
+@db.command("merge")
+@click.argument("other_db", type=click.Path(exists=True, dir_okay=False))
+@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+def db_merge(other_db, db_file):
+    """Merge the winners of another autoflash DB into this one (idempotent; refuses a foreign schema).
+
+    Example: autoflash db merge colleague.db
+    """
+    from autoflash.store import StoreError
+
+    store = _open_store(db_file, readonly=False)
+    try:
+        counts = store.merge_from(other_db)
+    except StoreError as e:
+        raise click.ClickException(f"cannot merge {other_db}: {e}") from None
+    console.print(f"merged into {store.path}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
 
 
 def main():

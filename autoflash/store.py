@@ -205,6 +205,50 @@ class Store:
         out.close()
         return len(rows)
 
+    # ---- exchange: export / import / merge (winners and their GPUs; trials stay local history)
+    def export_winners(self, gpu_key: str | None = None) -> dict:
+        rows = self.winners(gpu_key)
+        gpus = [self.db["gpus"].get(k) for k in sorted({r["gpu_key"] for r in rows})]
+        return {"format": "autoflash-winners", "schema_version": SCHEMA_VERSION, "gpus": gpus, "winners": rows}
+
+    def import_winners(self, data: dict) -> dict:
+        """Upsert exported winners. Idempotent; on a key present in both, the faster row is kept.
+        Rows whose variant is not in the declared search space are rejected (counted, not stored)."""
+        from autoflash.space import InvalidVariant, load_space
+
+        if not isinstance(data, dict) or data.get("format") != "autoflash-winners":
+            raise StoreError("not an autoflash winners export (missing format: autoflash-winners)")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise StoreError(f"the export has schema version {data.get('schema_version')!r}; this autoflash "
+                             f"reads version {SCHEMA_VERSION}")
+        counts = {"added": 0, "updated": 0, "unchanged": 0, "rejected": 0}
+        for gpu in data.get("gpus", []):
+            self._retry(lambda g=gpu: self.db["gpus"].upsert(g, pk="gpu_key"))
+        for row in data.get("winners", []):
+            try:
+                load_space(row["op"]).check_declared(json.loads(row["variant"]))
+            except (InvalidVariant, ValueError, KeyError, TypeError):
+                counts["rejected"] += 1
+                continue
+            mine = self.winner(row["gpu_key"], row["problem"], row["template_hash"])
+            if mine is not None and (mine == row or (mine["median_ms"] or float("inf")) <= (row["median_ms"] or float("inf"))):
+                counts["unchanged"] += 1
+                continue
+            self._retry(lambda r=row: self.db["winners"].upsert(r, pk=("gpu_key", "problem", "template_hash")))
+            counts["updated" if mine is not None else "added"] += 1
+        return counts
+
+    def merge_from(self, path) -> dict:
+        """Import the winners of another autoflash DB file (refused if its schema is foreign)."""
+        other = Store(path, readonly=True)
+        try:
+            version = schema_version(other.db)
+            if version != SCHEMA_VERSION:
+                raise StoreError(f"{path} has schema version {version}; this autoflash merges version {SCHEMA_VERSION}")
+            return self.import_winners(other.export_winners())
+        finally:
+            other.close()
+
     def counts(self) -> dict:
         return {t: self.db[t].count for t in ("gpus", "runs", "trials", "winners")}
 

@@ -102,3 +102,68 @@ def test_search_quality_on_a_recorded_sweep(tmp_path, monkeypatch):
     row = next(line for line in r.output.splitlines() if "d256" in line)
     cells = [c.strip() for c in row.split("│")[1:-1]]
     assert int(cells[1]) == len(load_space("fwd").valid_variants(prob, dev))  # variants in the sweep
+
+
+def _db_with_winners(path, n=2, ms=1.0, gpu_name=None):
+    import dataclasses
+
+    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.space import load_space
+    from autoflash.store import Store
+
+    dev = gpu_fingerprint() if gpu_name is None else dataclasses.replace(gpu_fingerprint(), name=gpu_name)
+    store = Store(path)
+    store.add_gpu(dev)
+    for i in range(n):
+        prob = Problem("fwd", "float16", 64, False, 1, 64 << i, 64 << i)
+        store.set_winner(gpu_key=dev.key, problem=prob, template_hash="t",
+                         variant_json=load_space("fwd").valid_variants(prob, dev)[i].json(),
+                         median_ms=ms, spread=0.0, tflops=1.0 / ms, trials=3)
+    store.close()
+    return path
+
+
+def test_db_export_import_merge_are_idempotent(tmp_path):
+    src = _db_with_winners(tmp_path / "src.db", n=3)
+    out = tmp_path / "w.json"
+    assert invoke("db", "export", "--db", str(src), "-o", str(out)).exit_code == 0
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == 1 and len(data["winners"]) == 3
+    dst = tmp_path / "dst.db"
+    r = invoke("db", "import", str(out), "--db", str(dst))
+    assert "3 added" in " ".join(r.output.split())
+    r = invoke("db", "import", str(out), "--db", str(dst))
+    assert "0 added, 0 updated, 3 unchanged" in " ".join(r.output.split())
+    faster = _db_with_winners(tmp_path / "faster.db", n=3, ms=0.5)
+    r = invoke("db", "merge", str(faster), "--db", str(dst))
+    assert "3 updated" in " ".join(r.output.split())
+    r = invoke("db", "merge", str(src), "--db", str(dst))  # slower rows never replace faster ones
+    assert "3 unchanged" in " ".join(r.output.split())
+    csv_out = tmp_path / "t.csv"
+    assert invoke("db", "export", "--db", str(dst), "--format", "csv", "-o", str(csv_out)).exit_code == 0
+    assert csv_out.read_text().splitlines()[0].startswith("gpu_key,problem,template_hash")
+
+
+def test_db_import_refuses_foreign_schema_and_rejects_undeclared_variants(tmp_path):
+    src = _db_with_winners(tmp_path / "src.db", n=2)
+    out = tmp_path / "w.json"
+    invoke("db", "export", "--db", str(src), "-o", str(out))
+    data = json.loads(out.read_text())
+    (tmp_path / "future.json").write_text(json.dumps({**data, "schema_version": 99}))
+    r = CliRunner().invoke(cli, ["db", "import", str(tmp_path / "future.json"), "--db", str(tmp_path / "d.db")])
+    assert r.exit_code != 0 and "schema version 99" in " ".join(r.output.split())
+    data["winners"][0]["variant"] = json.dumps({**json.loads(data["winners"][0]["variant"]), "LOADS": "evil"})
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    r = invoke("db", "import", str(tmp_path / "bad.json"), "--db", str(tmp_path / "d.db"))
+    assert "1 added" in " ".join(r.output.split()) and "1 rejected" in " ".join(r.output.split())
+
+
+def test_db_show(tmp_path, monkeypatch):
+    import autoflash.cli
+
+    monkeypatch.setattr(autoflash.cli.console, "width", 200)
+    src = _db_with_winners(tmp_path / "src.db", n=1)
+    r = invoke("db", "show", "fwd/float16/d64/full/g1/q64/k64", "--db", str(src))
+    assert r.exit_code == 0 and "template_hash" in r.output
+    r = CliRunner().invoke(cli, ["db", "show", "fwd/nothing", "--db", str(src)])
+    assert r.exit_code != 0 and "no winner" in r.output

@@ -151,3 +151,24 @@ def test_torch_compile_fullgraph_on_gpu(monkeypatch):
     torch.testing.assert_close(out, block(q, k, v))
     out.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_transformers_llama_bf16_matches_sdpa(monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autoflash.integrations.transformers as aft
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 1024, (2, 1500), device="cuda")
+    name = aft.register()
+    out = {}
+    for impl in ("sdpa", name):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = model(ids).logits.float()
+    err = (out[name] - out["sdpa"]).norm() / out["sdpa"].norm()
+    assert err < 2e-2, err

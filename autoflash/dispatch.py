@@ -165,6 +165,7 @@ class Dispatcher:
         self._winner_paths = winner_paths
         self._lock = threading.Lock()
         self._told_untuned: set = set()
+        self._tuned_on_miss: set = set()
 
     def winners(self, device: GPUFingerprint, device_index=None) -> WinnerTable:
         table = self._winners.get(device_index)
@@ -176,6 +177,34 @@ class Dispatcher:
         return Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                        gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(q.shape[2]),
                        seqlen_k=seqlen_bucket(k.shape[2]))
+
+    def _tune_on_miss(self, problem: Problem, q, k, device: GPUFingerprint, device_index) -> None:
+        """AUTOFLASH_TUNE_ON_MISS=1: tune a problem with no exact winner the first time it is seen
+        (a short, budgeted run into the user DB), then reload the winners. Opt-in only: this is the
+        one place the runtime path imports the tuner. Never while a CUDA graph is being captured."""
+        import os
+
+        if os.environ.get("AUTOFLASH_TUNE_ON_MISS", "0") in ("", "0") or problem.key in self._tuned_on_miss:
+            return
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        self._tuned_on_miss.add(problem.key)
+        from autoflash import tune
+        from autoflash.problem import Shape
+        from autoflash.store import Store
+
+        shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
+                      seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype,
+                      op=problem.op)
+        log.info("autoflash: tuning %s on first use (AUTOFLASH_TUNE_ON_MISS=1)", problem.key)
+        options = tune.TuneOptions(trials=int(os.environ.get("AUTOFLASH_TUNE_ON_MISS_TRIALS", "16")), budget_s=120,
+                                   interpret=not q.is_cuda)
+        store = Store()
+        try:
+            tune.tune([shape], store, options, command="tune on miss")
+        finally:
+            store.close()
+        self._winners.pop(device_index, None)  # reload, now with the new winner
 
     def variant_for(self, problem: Problem, device: GPUFingerprint, tma_ok: bool, device_index=None) -> Variant:
         """The tuned winner for this problem (exact or nearest bucket), else the built-in default."""
@@ -203,6 +232,8 @@ class Dispatcher:
             with self._lock:
                 device = gpu_fingerprint(device_index)
                 problem = self.problem_for(q, k, causal, op)
+                if problem.key not in self.winners(device, device_index).rows and not torch.compiler.is_compiling():
+                    self._tune_on_miss(problem, q, k, device, device_index)
                 variant = self.variant_for(problem, device, tma_ok, device_index)
                 log.debug("autoflash: %s -> %s", problem.key, variant.json())
                 module = codegen.load(variant)

@@ -109,3 +109,20 @@ def test_dispatcher_launches_the_tuned_winner(tmp_path):
     d.forward(q, q, q, out, lse, 0.125, True, 0)
     ref, _ = reference(q, q, q, True, 0, 0.125)
     assert rel_error(out, ref) < 2e-3
+
+
+@pytest.mark.interpreter
+def test_tune_on_miss_is_opt_in_and_stores_a_winner(tmp_path, monkeypatch):
+    db = tmp_path / "user.db"
+    monkeypatch.setenv("AUTOFLASH_DB", str(db))
+    q = torch.randn(1, 2, 45, 64, dtype=torch.float16)
+    Dispatcher(winner_paths=[db]).module_for(q, q, q, torch.empty_like(q), causal=False)
+    assert not db.exists()  # off by default: no tuning, no DB written
+    monkeypatch.setenv("AUTOFLASH_TUNE_ON_MISS", "1")
+    monkeypatch.setenv("AUTOFLASH_TUNE_ON_MISS_TRIALS", "2")
+    d = Dispatcher(winner_paths=[db])
+    module = d.module_for(q, q, q, torch.empty_like(q), causal=False)
+    store = Store(db)
+    (winner,) = store.winners()
+    assert winner["problem"] == "fwd/float16/d64/full/g1/q64/k64"
+    assert module.BLOCK_M == json.loads(winner["variant"])["BLOCK_M"]

@@ -127,6 +127,39 @@ def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "sdpa_cudnn", "sdpa_fl
     return rows, peaks
 
 
+def dispatch_overhead(calls: int = 2000, repeats: int = 5) -> dict:
+    """Per-call host time (µs) of autoflash.attention vs launching the same compiled kernel
+    directly, on a tiny shape (the GPU work is negligible, so host time dominates). Median of
+    `repeats` runs of `calls` calls each; the GPU is synchronized once per run."""
+    import time
+
+    import autoflash
+    from autoflash.dispatch import get_dispatcher
+
+    shape = Shape(1, 1, 1, 128, 128, 64, True, "bfloat16")
+    q, k, v = make_inputs(shape, "cuda", seed=1)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    module = get_dispatcher().module_for(q, k, v, out, causal=True)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+
+    def run(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / calls * 1e6)
+        return statistics.median(times)
+
+    bare = run(lambda: module.launch(q, k, v, out, lse, scale, True, 0))
+    api = run(lambda: autoflash.attention(q, k, v, is_causal=True))
+    return {"bare_launch_us": bare, "autoflash_attention_us": api, "overhead_us": api - bare}
+
+
 def summary(rows: list[BenchRow], methods: list[str], base: str = "sdpa_cudnn") -> dict:
     """Geomean TFLOP/s per method and geomean ratio to `base`."""
     return {m: (geomean([r.tflops(m) for r in rows]), geomean([r.ratio(m, base) for r in rows]))

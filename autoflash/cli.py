@@ -120,7 +120,8 @@ def _require_gpu(what: str, hint: str = "") -> None:
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), help="Write the table as Markdown here.")
 @click.option("--fwdbwd", is_flag=True, help="Time forward+backward through autograd instead of the forward.")
 @click.option("--memory", is_flag=True, help="With --fwdbwd: also report each method's peak memory above its inputs.")
-def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory):
+@click.option("--overhead", is_flag=True, help="Per-call host overhead of autoflash.attention vs a bare kernel launch.")
+def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of do_bench medians.
@@ -135,6 +136,12 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory):
     from autoflash.problem import gpu_fingerprint, load_shape_set
 
     device = gpu_fingerprint()
+    if overhead:
+        r = bench_mod.dispatch_overhead()
+        console.print(f"bare kernel launch {r['bare_launch_us']:.1f} µs/call, autoflash.attention "
+                      f"{r['autoflash_attention_us']:.1f} µs/call: dispatch overhead {r['overhead_us']:.1f} µs "
+                      f"({device.name}, torch {device.torch_version}, triton {device.triton_version})")
+        return
     shape_list = load_shape_set(shapes)
     if fwdbwd:
         with console.status("benchmarking forward+backward") as status:

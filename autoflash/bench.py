@@ -49,23 +49,28 @@ def _variant_fn(variant: Variant, shape: Shape, q, k, v) -> Callable[[], None]:
 
 
 def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,
-              rep_ms: float = 50, sdpa: tuple = SDPA_BACKENDS, progress: Callable[[str], None] | None = None
-              ) -> list[BenchRow]:
-    """Time each named variant chooser and each SDPA backend on every shape (GPU only)."""
+              rep_ms: float = 50, sdpa: tuple = SDPA_BACKENDS, progress: Callable[[str], None] | None = None,
+              device: str = "cuda") -> list[BenchRow]:
+    """Time each named variant chooser and each SDPA backend on every shape. device='cpu' (the
+    Triton interpreter) times one call by wall clock and skips SDPA: a pipeline check, not performance."""
+    from autoflash.measure import _time_callable
+
     rows = []
     for shape in shapes:
         if progress:
             progress(shape.label())
-        q, k, v = make_inputs(shape, "cuda", seed=7)
+        q, k, v = make_inputs(shape, device, seed=7)
         fns = {name: _variant_fn(choose(shape), shape, q, k, v) for name, choose in variants.items()}
-        for backend in sdpa:
+        for backend in sdpa if device == "cuda" else ():
             fn = sdpa_callable(backend, shape, q, k, v)
             if fn is not None:
                 fns[f"sdpa_{backend}"] = fn
+        for fn in fns.values():
+            fn()  # first call: kernel load (and, in the interpreter, its one-time set-up)
         samples = {name: [] for name in fns}
         for _ in range(rounds):
             for name, fn in fns.items():
-                samples[name].append(bench_ms(fn, warmup_ms=10, rep_ms=rep_ms))
+                samples[name].append(_time_callable(fn, q.device, rep_ms))
         ms = {name: statistics.median(s) for name, s in samples.items()}
         for backend in sdpa:
             ms.setdefault(f"sdpa_{backend}", float("nan"))
@@ -160,6 +165,13 @@ def dispatch_overhead(calls: int = 2000, repeats: int = 5) -> dict:
     return {"bare_launch_us": bare, "autoflash_attention_us": api, "overhead_us": api - bare}
 
 
+def fmt_tflops(x: float) -> str:
+    """A TFLOP/s table cell: '-' when not measured, 2 significant digits when below 1."""
+    if x != x:
+        return "-"
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
 def summary(rows: list[BenchRow], methods: list[str], base: str = "sdpa_cudnn") -> dict:
     """Geomean TFLOP/s per method and geomean ratio to `base`."""
     return {m: (geomean([r.tflops(m) for r in rows]), geomean([r.ratio(m, base) for r in rows]))
@@ -177,10 +189,10 @@ def rich_table(rows: list[BenchRow], methods: list[str], title: str, base: str =
         if m != base:
             t.add_column(f"{m}\n/ {base}", justify="right")
     for r in rows:
-        t.add_row(r.shape.label(), *(f"{r.tflops(m):.0f}" for m in methods),
+        t.add_row(r.shape.label(), *(fmt_tflops(r.tflops(m)) for m in methods),
                   *(f"{r.ratio(m, base):.2f}" for m in methods if m != base))
     s = summary(rows, methods, base)
-    t.add_row("[bold]geomean[/]", *(f"[bold]{s[m][0]:.0f}[/]" for m in methods),
+    t.add_row("[bold]geomean[/]", *(f"[bold]{fmt_tflops(s[m][0])}[/]" for m in methods),
               *(f"[bold]{s[m][1]:.3f}[/]" for m in methods if m != base))
     return t
 
@@ -189,10 +201,10 @@ def markdown_table(rows: list[BenchRow], methods: list[str], base: str = "sdpa_c
     head = ["shape", *(f"{m} TFLOP/s" for m in methods), *(f"{m}/{base}" for m in methods if m != base)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join([r.shape.label(), *(f"{r.tflops(m):.0f}" for m in methods),
+        lines.append("| " + " | ".join([r.shape.label(), *(fmt_tflops(r.tflops(m)) for m in methods),
                                          *(f"{r.ratio(m, base):.2f}" for m in methods if m != base)]) + " |")
     s = summary(rows, methods, base)
-    lines.append("| **geomean** | " + " | ".join([*(f"**{s[m][0]:.0f}**" for m in methods),
+    lines.append("| **geomean** | " + " | ".join([*(f"**{fmt_tflops(s[m][0])}**" for m in methods),
                                                  *(f"**{s[m][1]:.3f}**" for m in methods if m != base)]) + " |")
     return "\n".join(lines)
 

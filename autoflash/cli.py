@@ -121,16 +121,28 @@ def _require_gpu(what: str, hint: str = "") -> None:
 @click.option("--fwdbwd", is_flag=True, help="Time forward+backward through autograd instead of the forward.")
 @click.option("--memory", is_flag=True, help="With --fwdbwd: also report each method's peak memory above its inputs.")
 @click.option("--overhead", is_flag=True, help="Per-call host overhead of autoflash.attention vs a bare kernel launch.")
-def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead):
+@click.option("--interpret", is_flag=True,
+              help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
+def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of do_bench medians.
 
     Example: autoflash bench --shapes standard --plot bench.png
     """
-    _require_gpu("autoflash bench")
     import dataclasses
+    import os
 
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+        from autoflash.problem import gpu_fingerprint
+
+        gpu_fingerprint.cache_clear()
+        shapes = "tiny" if shapes == "standard" else shapes
+        if fwdbwd or overhead:
+            raise click.ClickException("--fwdbwd and --overhead need a CUDA GPU")
+    else:
+        _require_gpu("autoflash bench", " Use --interpret to check the pipeline on tiny shapes on the CPU.")
     from autoflash import bench as bench_mod
     from autoflash.dispatch import default_variant, get_dispatcher
     from autoflash.problem import gpu_fingerprint, load_shape_set
@@ -169,14 +181,16 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead):
         "default": lambda s: default_variant("fwd", s.dtype, s.head_dim, device.cc_major >= 9),
     }
     with console.status("benchmarking") as status:
-        rows = bench_mod.run_bench(shape_list, choosers, rounds=rounds,
+        rows = bench_mod.run_bench(shape_list, choosers, rounds=rounds, device="cpu" if interpret else "cuda",
                                    progress=lambda label: status.update(f"benchmarking {label}"))
-    methods = ["autoflash", "default", "sdpa_cudnn", "sdpa_flash"]
+    methods = ["autoflash", "default"] + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
     title = f"forward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
-    console.print(bench_mod.rich_table(rows, methods, title))
+    if interpret:
+        title += " (interpreter wall clock: not GPU performance)"
+    console.print(bench_mod.rich_table(rows, methods, title, base="default" if interpret else "sdpa_cudnn"))
     if md_path:
         with open(md_path, "w") as f:
-            f.write(bench_mod.markdown_table(rows, methods) + "\n")
+            f.write(bench_mod.markdown_table(rows, methods, base="default" if interpret else "sdpa_cudnn") + "\n")
     if plot_path:
         bench_mod.plot(rows, methods, plot_path, title)
         console.print(f"plot saved to {plot_path}")
@@ -214,17 +228,11 @@ class _RichReporter:
             self.progress.console.print(f"[red]{result.shape.label()}[/]: {result.status}")
 
 
-def _fmt(x: float) -> str:
-    """TFLOP/s for a table cell: '-' when not measured, 2 significant digits when tiny."""
-    if x != x:
-        return "-"
-    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
-
-
 def _results_table(results, title):
     """One row per problem: TFLOP/s of the tuned winner, the default and (on a GPU) SDPA, ratios."""
     import math
 
+    from autoflash.bench import fmt_tflops
     from autoflash.problem import geomean
 
     def ratio(r, a, b):
@@ -244,7 +252,7 @@ def _results_table(results, title):
     t.add_column("trials (failed)", justify="right")
     for r in results:
         ratios = [ratio(r, "tuned", b) for b in bases]
-        t.add_row(r.shape.label(), *(_fmt(r.tflops(m)) for m in methods),
+        t.add_row(r.shape.label(), *(fmt_tflops(r.tflops(m)) for m in methods),
                   *(f"{x:.2f}" if x == x else "-" for x in ratios),
                   f"{r.spread * 100:.1f}%" if r.spread == r.spread else "-", f"{r.measured} ({r.failed})")
     means = [geomean([ratio(r, "tuned", b) for r in results]) for b in bases]

@@ -377,7 +377,8 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
 
 
 def _time_callable(fn, device, rep_ms: float) -> float:
-    if device.type == "cuda":
+    """Median ms by do_bench on a GPU; in the interpreter, the wall clock of one call."""
+    if torch.device(device).type == "cuda":
         return bench_ms(fn, warmup_ms=10, rep_ms=rep_ms)
     t0 = time.perf_counter()  # the interpreter: wall clock of one call, not GPU performance
     fn()

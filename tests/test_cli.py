@@ -167,3 +167,13 @@ def test_db_show(tmp_path, monkeypatch):
     assert r.exit_code == 0 and "template_hash" in r.output
     r = CliRunner().invoke(cli, ["db", "show", "fwd/nothing", "--db", str(src)])
     assert r.exit_code != 0 and "no winner" in r.output
+
+
+def test_bench_interpret_runs_the_pipeline(tmp_path):
+    md = tmp_path / "b.md"
+    r = invoke("bench", "--interpret", "--rounds", "1", "--markdown", str(md), "--plot", str(tmp_path / "b.png"))
+    assert r.exit_code == 0
+    lines = md.read_text().splitlines()
+    assert lines[0].startswith("| shape | autoflash TFLOP/s | default TFLOP/s")
+    assert len(lines) == 2 + 4 + 1  # header, 4 tiny shapes, geomean
+    assert (tmp_path / "b.png").stat().st_size > 1000

@@ -169,3 +169,14 @@ def test_backward_tuning_in_the_interpreter(tmp_path):
     rows = list(store.db["trials"].rows)
     assert len(rows) == 3 and all(r["status"] == "ok" and r["err"] is not None for r in rows)
     assert store.winners(op="bwd")[0]["problem"].startswith("bwd/float16/d64/causal/g2/")
+
+
+def test_global_budget_is_shared_and_respected(tmp_path):
+    """A budget far too small to exhaust the space: every problem still gets its share and a
+    winner, and each stops well before its (large) trial budget."""
+    store = Store(tmp_path / "t.db")
+    shapes = load_shape_set("tiny")
+    results = tune(shapes, store, TuneOptions(trials=1000, budget_s=8, interpret=True))
+    assert [r.status for r in results] == ["tuned"] * len(shapes)
+    for r in results:
+        assert 1 <= r.measured < len(load_space("fwd").valid_variants(r.problem, gpu_fingerprint()))

@@ -157,16 +157,19 @@ class Tuner:
         default = nearest_valid(default_variant(op, problem.dtype, problem.head_dim, self.device.cc_major >= 9),
                                 problem, self.device)
         done = {r["variant"]: r for r in self.store.trials_for(self.gpu_key, problem.key, thash)}
-        study = optuna.create_study(
-            study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
-            load_if_exists=True, sampler=make_sampler(self.opt.seed, self.opt.trials))
         budget = min(self.opt.trials, len(valid))
-        if not study.trials:
-            for seed_variant in self._seeds(default, problem, thash, valid, budget):
-                study.enqueue_trial(seed_variant.as_dict(), skip_if_exists=True)
-        elif len(valid) <= budget:  # resumed brute force: make sure every variant is queued
-            for v in valid:
-                study.enqueue_trial(v.as_dict(), skip_if_exists=True)
+        if len(valid) <= self.opt.trials:
+            # Brute force: the whole space fits the budget, so no sampler; default first, then the
+            # declared order. (The DB alone makes this resumable.)
+            study = None
+            queue_ = [default] + [v for v in valid if v != default]
+        else:
+            study = optuna.create_study(
+                study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
+                load_if_exists=True, sampler=make_sampler(self.opt.seed, self.opt.trials))
+            if not study.trials:
+                for seed_variant in self._seeds(default, problem, thash, budget):
+                    study.enqueue_trial(seed_variant.as_dict(), skip_if_exists=True)
 
         measured = sum(1 for r in done.values() if r["status"] != "pruned")
         failed = sum(1 for r in done.values() if r["status"] in FAILED_STATUSES)
@@ -178,6 +181,10 @@ class Tuner:
 
         def next_batch(n: int, stale: int = 0):
             """Ask for up to n new candidates and start compiling them (in the background)."""
+            if study is None:
+                batch = [(None, v) for v in queue_ if v.json() not in done][:n] if n > 0 and time_left() else []
+                queue_[:] = [v for v in queue_ if v not in {b for _, b in batch}]
+                return (batch, self._compile_async(batch, shape)) if batch else None
             while n > 0 and time_left() and stale <= 3:
                 batch = self._ask_batch(study, space, problem, done, n)
                 if batch:
@@ -193,7 +200,7 @@ class Tuner:
             pending = next_batch(min(batch_size, budget - measured - len(batch)))
             for (trial, variant), c in zip(batch, compiled):
                 if not time_left():
-                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
+                    _tell(study, trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
                 outcome = c if c.status != "ok" else self.sandbox.evaluate(
                     variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s,
@@ -203,17 +210,16 @@ class Tuner:
                 measured += 1
                 self.total_measured += 1
                 if outcome.status == "ok" and math.isfinite(outcome.ms):
-                    study.tell(trial, outcome.ms)
+                    _tell(study, trial, outcome.ms)
                     best = min(best, outcome.ms)
                 else:
                     failed += 1
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    _tell(study, trial, state=optuna.trial.TrialState.FAIL)
                 self.reporter.trial_done(measured, budget, variant, outcome, measure.tflops(shape, best))
         return self._pick_winner(shape, problem, thash, done, default, measured, failed)
 
-    def _seeds(self, default: Variant, problem: Problem, thash: str, valid: list, budget: int) -> list[Variant]:
-        if len(valid) <= budget:
-            return valid  # small space: brute force, default first
+    def _seeds(self, default: Variant, problem: Problem, thash: str, budget: int) -> list[Variant]:
+        """The default and known-good variants (other problems' winners of the same dtype and head dim)."""
         seeds = [default]
         space = load_space(problem.op)
         for w in self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim, template_hash=thash):
@@ -310,6 +316,16 @@ class Tuner:
                               sdpa_cudnn_ms=ms["sdpa_cudnn"], sdpa_flash_ms=ms["sdpa_flash"],
                               shape=dataclasses.asdict(shape))
         return ProblemResult(shape, problem, winner, ms, spread, measured, failed, "tuned")
+
+
+def _tell(study, trial, value=None, state=None) -> None:
+    """study.tell, or nothing for a brute-force run (which has no study)."""
+    if study is None:
+        return
+    if state is None:
+        study.tell(trial, value)
+    else:
+        study.tell(trial, state=state)
 
 
 def make_sampler(seed: int, trials: int) -> optuna.samplers.BaseSampler:

@@ -202,6 +202,8 @@ class Tuner:
                 if not time_left():
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
+                if c.status == "crashed":  # the compile worker died: the compiler aborted on this variant
+                    c = measure.Outcome("compile_error", message=f"compiler crashed: {c.message}", seconds=c.seconds)
                 outcome = c if c.status != "ok" else self.sandbox.evaluate(
                     variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s,
                     fn=self.opt.evaluate_fn)

@@ -325,16 +325,19 @@ def compile_variant(variant_json: str, op: str, shape: Shape, rep_ms: float, dev
     variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, variant_json)).as_dict())
     try:
         module = codegen.load(variant)
-        # The interpreter has nothing to compile; a backward variant (several kernels, one
-        # launcher) is compiled by its first launch in the measuring worker.
-        if device_str != "cpu" and module.OP == "fwd":
+        if device_str != "cpu":  # the interpreter has nothing to compile
             from autoflash.dispatch import ensure_allocator
 
             ensure_allocator()
             for q, k, v, off in _gate_and_timing_inputs(shape, torch.device(device_str)):
-                out = torch.empty_like(q, memory_format=torch.contiguous_format)
+                out = torch.empty_like(q) if module.OP == "bwd" else torch.empty_like(q, memory_format=torch.contiguous_format)
                 lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-                module.launch(q, k, v, out, lse, 1.0, shape.causal, off, compile_only=True)
+                if module.OP == "bwd":
+                    grads = [torch.empty_like(t) for t in (q, k, v)]
+                    module.launch(q, k, v, out, lse, torch.empty_like(q, memory_format=torch.contiguous_format),
+                                  *grads, 1.0, shape.causal, off, compile_only=True)
+                else:
+                    module.launch(q, k, v, out, lse, 1.0, shape.causal, off, compile_only=True)
     except Exception as e:  # noqa: BLE001
         text = f"{type(e).__name__}: {e}"
         return Outcome("compile_error" if _is_compile_error(e, text) else "runtime_error",

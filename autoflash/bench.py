@@ -221,7 +221,7 @@ def plot(rows: list[BenchRow], methods: list[str], path: str, title: str) -> Non
     for i, m in enumerate(methods):
         ax.bar([j + i * width for j in range(len(rows))], [r.tflops(m) for r in rows], width, label=m)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([r.shape.label().replace(" ", "\n", 2) for r in rows], fontsize=6, rotation=90)
+    ax.set_xticklabels([r.shape.short_label() for r in rows], fontsize=8, rotation=45, ha="right")
     ax.set_ylabel("TFLOP/s")
     ax.set_title(title)
     ax.legend(fontsize=8)

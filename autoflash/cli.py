@@ -454,6 +454,37 @@ def db_list(db_file, gpu, op, head_dim):
     console.print(f"{len(rows)} winner(s)")
 
 
+@db.command("plot")
+@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@click.option("--gpu", default=None, help="Only GPUs whose key contains this text.")
+@click.option("--op", default="fwd", show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="PNG file to write.")
+def db_plot(db_file, gpu, op, output):
+    """Bar chart of stored winners: tuned vs untuned default vs SDPA cuDNN and flash (TFLOP/s),
+    as re-measured together at the end of tuning.
+
+    Example: autoflash db plot --db docs/results/2026-11-30-h200-tune-standard.db -o tuned.png
+    """
+    from autoflash import bench as bench_mod
+    from autoflash.problem import Shape
+
+    store = _open_store(db_file, readonly=True)
+    rows = []
+    for w in store.winners(op=op):
+        if (gpu and gpu.lower() not in w["gpu_key"].lower()) or not w["shape"]:
+            continue
+        ms = {"tuned": w["median_ms"], "default": w["default_ms"], "sdpa_cudnn": w["sdpa_cudnn_ms"],
+              "sdpa_flash": w["sdpa_flash_ms"]}
+        rows.append(bench_mod.BenchRow(Shape(**json.loads(w["shape"])), {k: v if v else float("nan") for k, v in ms.items()}))
+    if not rows:
+        raise click.ClickException(f"no {op} winners with measurements in {store.path}")
+    rows.sort(key=lambda r: (r.shape.head_dim, r.shape.causal, r.shape.seqlen_q))
+    gpu_name = store.winners(op=op)[0]["gpu_key"].split("|")[0]
+    bench_mod.plot(rows, ["tuned", "default", "sdpa_cudnn", "sdpa_flash"], output,
+                   f"{op} TFLOP/s of stored winners on {gpu_name}")
+    console.print(f"plot of {len(rows)} winners saved to {output}")
+
+
 def _open_store(db_file, readonly: bool):
     from autoflash.store import Store, StoreError, default_db_path
 

@@ -89,6 +89,12 @@ class Shape:
             f /= 2
         return f * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[self.op]
 
+    def short_label(self) -> str:
+        """Compact, for plot axes: 'd128 causal 4k' (dtype and batch left out)."""
+        n = f"{self.seqlen_q // 1024}k" if self.seqlen_q >= 1024 and self.seqlen_q % 1024 == 0 else str(self.seqlen_q)
+        g = f" g{self.heads_q // self.heads_kv}" if self.heads_q != self.heads_kv else ""
+        return f"d{self.head_dim}{' causal' if self.causal else ''}{g} {n}"
+
     def label(self) -> str:
         c = " causal" if self.causal else ""
         g = f" gqa{self.heads_q}/{self.heads_kv}" if self.heads_q != self.heads_kv else ""

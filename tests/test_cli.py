@@ -177,3 +177,13 @@ def test_bench_interpret_runs_the_pipeline(tmp_path):
     assert lines[0].startswith("| shape | autoflash TFLOP/s | default TFLOP/s")
     assert len(lines) == 2 + 4 + 1  # header, 4 tiny shapes, geomean
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_db_plot_of_the_committed_h200_results(tmp_path):
+    import pathlib
+
+    db = pathlib.Path(__file__).resolve().parent.parent / "docs" / "results" / "2026-11-30-h200-tune-standard.db"
+    out = tmp_path / "w.png"
+    r = invoke("db", "plot", "--db", str(db), "-o", str(out))
+    assert r.exit_code == 0 and "24 winners" in r.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -525,18 +525,25 @@ def db_show(problem_key, db_file):
 
 @db.command("export")
 @click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
-@click.option("--format", "fmt", type=click.Choice(["json", "csv"]), default="json", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["json", "csv", "sqlite"]), default="json", show_default=True,
+              help="json: winners for `db import`; csv: one table; sqlite: a winners-only DB (e.g. for cache/).")
 @click.option("--table", type=click.Choice(["winners", "trials"]), default="winners", show_default=True,
               help="CSV only: which table (JSON exports winners, importable elsewhere).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="-", show_default=True)
 def db_export(db_file, fmt, table, output):
-    """Export winners as JSON (for `autoflash db import`) or a table as CSV.
+    """Export winners as JSON (for `autoflash db import`), a table as CSV, or winners as a small DB.
 
     Example: autoflash db export -o h200-winners.json
     """
     import csv
 
     store = _open_store(db_file, readonly=True)
+    if fmt == "sqlite":
+        if output == "-":
+            raise click.ClickException("--format sqlite needs -o FILE")
+        n = store.copy_winners_to(output)
+        console.print(f"{n} winner(s) written to {output}")
+        return
     with click.open_file(output, "w") as f:
         if fmt == "json":
             json.dump(store.export_winners(), f, indent=1, sort_keys=True)

@@ -187,3 +187,14 @@ def test_db_plot_of_the_committed_h200_results(tmp_path):
     r = invoke("db", "plot", "--db", str(db), "-o", str(out))
     assert r.exit_code == 0 and "24 winners" in r.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_db_export_sqlite_writes_a_winners_only_db(tmp_path):
+    from autoflash.store import Store
+
+    src = _db_with_winners(tmp_path / "src.db", n=2)
+    out = tmp_path / "ship.db"
+    r = invoke("db", "export", "--db", str(src), "--format", "sqlite", "-o", str(out))
+    assert r.exit_code == 0 and "2 winner(s)" in r.output
+    counts = Store(out, readonly=True).counts()
+    assert counts["winners"] == 2 and counts["trials"] == 0 and counts["gpus"] == 1

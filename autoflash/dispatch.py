@@ -111,7 +111,8 @@ class WinnerTable:
         try:
             if not path.is_file():
                 return
-            store = Store(path, readonly=True)
+            # A short busy timeout: a DB locked by a writer costs a model one warning, not a stall.
+            store = Store(path, readonly=True, busy_timeout_ms=500)
             try:
                 rows = store.winners(self.device.key)
             finally:

@@ -93,19 +93,20 @@ def schema_version(db: sqlite_utils.Database) -> int | None:
 class Store:
     """A results database file. `readonly=True` never creates or migrates (for shipped DBs)."""
 
-    def __init__(self, path: str | os.PathLike | None = None, readonly: bool = False):
+    def __init__(self, path: str | os.PathLike | None = None, readonly: bool = False,
+                 busy_timeout_ms: int = BUSY_TIMEOUT_MS):
         self.path = pathlib.Path(path) if path else default_db_path()
         self.readonly = readonly
         try:
             if readonly:
                 if not self.path.is_file():
                     raise StoreError(f"no database at {self.path}")
-                conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+                conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=busy_timeout_ms / 1000)
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000)
+                conn = sqlite3.connect(str(self.path), timeout=busy_timeout_ms / 1000)
             self.db = sqlite_utils.Database(conn)
-            self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self.db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             version = schema_version(self.db)
             if version is not None and version > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema version {version}; this autoflash reads up to "

@@ -126,3 +126,21 @@ def test_tune_on_miss_is_opt_in_and_stores_a_winner(tmp_path, monkeypatch):
     (winner,) = store.winners()
     assert winner["problem"] == "fwd/float16/d64/full/g1/q64/k64"
     assert module.BLOCK_M == json.loads(winner["variant"])["BLOCK_M"]
+
+
+def test_locked_db_warns_and_uses_default_without_stalling(tmp_path):
+    import sqlite3
+
+    p = problem()
+    db = make_db(tmp_path / "locked.db", [(p, some_variant(p, 1).json())])
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA journal_mode=DELETE")  # a rollback-journal DB: an exclusive lock blocks readers
+    con.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.warns(RuntimeWarning, match="ignoring results DB"):
+            table = WinnerTable(DEVICE, [db])
+        assert table.lookup(p) == (None, "default")
+    finally:
+        con.rollback()
+        con.close()
+    assert WinnerTable(DEVICE, [db]).lookup(p)[0] == some_variant(p, 1)

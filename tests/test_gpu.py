@@ -16,23 +16,22 @@ from autoflash.space import load_space
 pytestmark = pytest.mark.gpu
 
 
-def gpu_sample():
-    """A seeded sample of valid variants per (head_dim, causal), with TMA and warp-specialized ones forced in."""
+def gpu_sample(op: str, seed: int, pick):
+    """Per (head_dim, causal) on this GPU: pick(rng, valid variants) -> the variants to test."""
     if not torch.cuda.is_available():
         return []
-    rng = random.Random(7)
-    space, device = load_space("fwd"), gpu_fingerprint()
+    rng = random.Random(seed)
+    space, device = load_space(op), gpu_fingerprint()
     picked = []
     for d in (64, 128):
         for causal in (False, True):
-            shape = Shape(2, 8, 8, 1024, 1024, d, causal, "bfloat16")
-            valid = space.valid_variants(shape.problem, device)
-            tma = [v for v in valid if v["LOADS"] == "tma"]
-            picked += [(v, d, causal) for v in rng.sample(valid, 3) + rng.sample(tma, 2)]
+            valid = space.valid_variants(Shape(2, 8, 8, 1024, 1024, d, causal, "bfloat16", op=op).problem, device)
+            picked += [(v, d, causal) for v in pick(rng, valid)]
     return picked
 
 
-SAMPLE = gpu_sample()
+# Forward: 3 random valid variants and 2 TMA ones per (head_dim, causal).
+SAMPLE = gpu_sample("fwd", 7, lambda rng, valid: rng.sample(valid, 3) + rng.sample([v for v in valid if v["LOADS"] == "tma"], 2))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -82,21 +81,8 @@ def test_default_uses_tma_on_hopper_for_contiguous_inputs():
     assert get_dispatcher().module_for(odd, odd, odd, torch.empty_like(odd), causal=False).LOADS != "tma"
 
 
-def gpu_backward_sample():
-    if not torch.cuda.is_available():
-        return []
-    rng = random.Random(11)
-    space, device = load_space("bwd"), gpu_fingerprint()
-    picked = []
-    for d in (64, 128):
-        for causal in (False, True):
-            valid = space.valid_variants(Shape(2, 8, 8, 1024, 1024, d, causal, "bfloat16", op="bwd").problem, device)
-            for mode in ("separate", "atomic"):
-                picked.append((rng.choice([v for v in valid if v["DQ_MODE"] == mode]), d, causal))
-    return picked
-
-
-BWD_SAMPLE = gpu_backward_sample()
+# Backward: one variant per dQ mode per (head_dim, causal).
+BWD_SAMPLE = gpu_sample("bwd", 11, lambda rng, valid: [rng.choice([v for v in valid if v["DQ_MODE"] == m]) for m in ("separate", "atomic")])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

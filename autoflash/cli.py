@@ -263,7 +263,7 @@ def _results_table(results, title):
 
 @cli.command()
 @click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune: fwd, bwd.")
-@click.option("--shapes", default=None, help="Shape set: standard (default), gqa, long, sweep_d64, sweep_d256, tiny (default with --interpret), or a TOML file.")
+@click.option("--shapes", default=None, help="Shape set: standard (default), gqa, long, train (backward grid), sweep_d64, sweep_d256, tiny (default with --interpret), or a TOML file.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Override the shape set's dtype.")
 @click.option("--budget", type=float, default=None, help="Time budget for the whole run, in minutes.")
 @click.option("--trials", type=int, default=40, show_default=True, help="Measured candidates per problem.")
@@ -409,6 +409,43 @@ def info():
         t.add_row(label, f"{path}{'' if path.is_file() else ' (absent)'}")
     table = WinnerTable(device, paths)
     t.add_row("winners that apply here", str(len(table.rows)))
+    console.print(t)
+
+
+@cli.command()
+@click.option("--shapes", default="standard", show_default=True,
+              help="Shape set (standard, gqa, long, ...) or a TOML file.")
+@click.option("--op", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True, help="Kernel op.")
+@click.option("--interpret", is_flag=True, help="Resolve for the Triton CPU interpreter instead of the GPU.")
+def which(shapes, op, interpret):
+    """Which kernel autoflash.attention serves for each shape on this machine, and where it comes from.
+
+    For each shape: the problem key, whether a tuned winner matched (exact or nearest seqlen bucket)
+    or the built-in default is used, the DB file the winner was read from, and the variant.
+    Nothing is compiled or launched.
+
+    Example: autoflash which --shapes standard
+    """
+    import dataclasses
+    import os
+    from pathlib import Path
+
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from autoflash.dispatch import get_dispatcher
+    from autoflash.problem import gpu_fingerprint, load_shape_set
+
+    gpu_fingerprint.cache_clear()
+    device = gpu_fingerprint()
+    disp = get_dispatcher()
+    t = Table(title=f"kernels served on {device.name} ({op}, contiguous inputs)")
+    for col in ("shape", "problem", "winner", "from", "variant"):
+        t.add_column(col)
+    for shape in load_shape_set(shapes):
+        problem = dataclasses.replace(shape, op=op).problem
+        _, how, origin = disp.winners(device).explain(problem)
+        variant = disp.variant_for(problem, device, tma_ok=True)
+        t.add_row(shape.label(), problem.key, how, Path(origin).name if origin else "built-in", variant.short())
     console.print(t)
 
 

@@ -24,11 +24,14 @@ log = logging.getLogger("autoflash")
 
 
 def default_variant(op: str, dtype: str, head_dim: int, has_tma: bool) -> Variant:
-    """The built-in variant used when nothing is tuned for a problem (a sane Hopper-ish choice)."""
+    """The built-in variant used when nothing is tuned for a problem: choices measured on an H200
+    (docs/results/) that pass the correctness gate there."""
     if op == "bwd":
+        # 4 warps: with 8 warps, 32x128 dK/dV tiles and 2+ pipeline stages, Triton 3.6 computes a
+        # wrong dK on the H200 (7% error at d128; docs/results/2026-11-30-h200-backward.md).
         big = head_dim > 128
         return Variant.of(op, dict(BLOCK_M1=32, BLOCK_N1=64 if big else 128, BLOCK_M2=64 if big else 128,
-                                   BLOCK_N2=32, num_warps=4 if big else 8, num_stages=2 if dtype == "float32" else 3,
+                                   BLOCK_N2=32, num_warps=4, num_stages=2 if dtype == "float32" else 3,
                                    DQ_MODE="separate"))
     if op != "fwd":
         raise ValueError(f"no default variant for op {op!r}")
@@ -37,7 +40,9 @@ def default_variant(op: str, dtype: str, head_dim: int, has_tma: bool) -> Varian
     elif head_dim <= 128:
         tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     else:
-        tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+        # The exhaustive d256 sweeps on the H200 found 64x64 w4 s3 best on all three complete
+        # problems (1.16-1.34x the 64x32 s2 used before).
+        tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if dtype == "float32":
         tiles["num_stages"] = 2
     return Variant.of(op, dict(
@@ -94,6 +99,7 @@ class WinnerTable:
     def __init__(self, device: GPUFingerprint, paths: list | None = None):
         self.device = device
         self.rows: dict[str, Variant] = {}  # problem key -> variant
+        self.origins: dict[str, str] = {}  # problem key -> the DB file its winner came from
         for path in self.default_paths() if paths is None else paths:
             self._load(path)
 
@@ -137,12 +143,18 @@ class WinnerTable:
                               RuntimeWarning, stacklevel=2)
                 continue
             self.rows[problem.key] = variant
+            self.origins[problem.key] = str(path)
 
     def lookup(self, problem: Problem) -> tuple[Variant | None, str]:
         """(variant, how): exact bucket, else the nearest seqlen bucket of the same kind, else None."""
+        variant, how, _ = self.explain(problem)
+        return variant, how
+
+    def explain(self, problem: Problem) -> tuple[Variant | None, str, str | None]:
+        """(variant, how, DB file it came from): like `lookup`, plus the winner's origin."""
         exact = self.rows.get(problem.key)
         if exact is not None:
-            return exact, "exact"
+            return exact, "exact", self.origins[problem.key]
         best, best_distance = None, math.inf
         for key, variant in self.rows.items():
             p = Problem.from_key(key)
@@ -153,8 +165,8 @@ class WinnerTable:
             if distance < best_distance or (distance == best_distance and key < best[0]):
                 best, best_distance = (key, variant), distance
         if best is None:
-            return None, "default"
-        return best[1], f"nearest ({best[0]})"
+            return None, "default", None
+        return best[1], f"nearest ({best[0]})", self.origins[best[0]]
 
 
 class Dispatcher:
@@ -167,6 +179,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._told_untuned: set = set()
         self._tuned_on_miss: set = set()
+        # api's inference fast path: validated call signature -> (kernel module, lse scratch, scale)
+        self.inference_calls: dict[tuple, tuple] = {}
 
     def winners(self, device: GPUFingerprint, device_index=None) -> WinnerTable:
         table = self._winners.get(device_index)
@@ -206,6 +220,7 @@ class Dispatcher:
         finally:
             store.close()
         self._winners.pop(device_index, None)  # reload, now with the new winner
+        self.inference_calls.clear()
 
     def variant_for(self, problem: Problem, device: GPUFingerprint, tma_ok: bool, device_index=None) -> Variant:
         """The tuned winner for this problem (exact or nearest bucket), else the built-in default."""
@@ -232,8 +247,9 @@ class Dispatcher:
         module = self._table.get(key)
         if module is None:
             with self._lock:
-                if len(self._table) > 4096:  # many distinct shapes: keep the table bounded
+                if len(self._table) > 4096:  # many distinct shapes: keep the tables bounded
                     self._table.clear()
+                    self.inference_calls.clear()
                 device_index = q.device.index if q.is_cuda else None
                 device = gpu_fingerprint(device_index)
                 problem = self.problem_for(q, k, causal, op)

@@ -107,13 +107,14 @@ def gate_shapes(shape: Shape) -> list[Shape]:
     """Ragged shapes for the correctness gate of a problem (small; the kernel is length-agnostic)."""
     hk = 2 if shape.heads_q >= 2 * (shape.heads_q // shape.heads_kv) else 1
     hq = hk * (shape.heads_q // shape.heads_kv)
-    base = dict(batch=1, heads_q=hq, heads_kv=hk, head_dim=shape.head_dim, causal=shape.causal,
-                dtype=shape.dtype, op=shape.op)
+    base = dict(heads_q=hq, heads_kv=hk, head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
+                op=shape.op)
+    # (batch, seqlen_q, seqlen_k): the short ragged shapes use 2 sequences to cover batch strides.
     if torch.cuda.is_available() and not _interpreting():
-        lengths = [(1023, 1023), (113, 203), (203, 113), (1, 37)]
+        sizes = [(1, 1023, 1023), (2, 113, 203), (2, 203, 113), (1, 1, 37)]
     else:
-        lengths = [(37, 37), (17, 64), (64, 17)]
-    return [Shape(seqlen_q=a, seqlen_k=b, **base) for a, b in lengths]
+        sizes = [(1, 37, 37), (2, 17, 64), (2, 64, 17)]
+    return [Shape(batch=b, seqlen_q=nq, seqlen_k=nk, **base) for b, nq, nk in sizes]
 
 
 def _interpreting() -> bool:

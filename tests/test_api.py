@@ -211,3 +211,41 @@ def test_empty_sequence_falls_back_with_sdpa_semantics():
     with pytest.warns(api.FallbackWarning, match="empty tensor"):
         out = autoflash.attention(q, k, k)
     assert out.shape == (1, 2, 0, 32)
+
+
+@pytest.mark.interpreter
+def test_repeated_inference_calls_take_the_fast_path_and_stay_correct(strict):
+    from autoflash.dispatch import get_dispatcher
+
+    calls = get_dispatcher().inference_calls
+    calls.clear()
+    shape = (1, 4, 2, 45, 45, 64)
+    for seed in range(3):  # same signature, new data each time
+        q, k, v = (rand(*shape[:2], shape[3], shape[5], dtype=torch.float16, seed=seed),
+                   rand(shape[0], shape[2], shape[4], shape[5], dtype=torch.float16, seed=seed + 10),
+                   rand(shape[0], shape[2], shape[4], shape[5], dtype=torch.float16, seed=seed + 20))
+        out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert len(calls) == 1  # first call stored the signature, the next ones reused it
+        ref, _ = reference(q, k, v, True, 0, 1 / math.sqrt(shape[5]))
+        assert rel_error(out, ref) <= TOL[torch.float16]
+    # Another scale is another signature, with its own validated entry.
+    out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
+    assert len(calls) == 2 and rel_error(out, reference(q, k, v, True, 0, 0.3)[0]) <= TOL[torch.float16]
+
+
+@pytest.mark.interpreter
+def test_fast_path_never_skips_validation_autograd_or_fallbacks(strict):
+    from autoflash.dispatch import get_dispatcher
+
+    get_dispatcher().inference_calls.clear()
+    q, k, v = (rand(1, 2, 33, 32, seed=s) for s in (1, 2, 3))
+    autoflash.attention(q, k, v)
+    # Same tensors but GQA-shaped key: a new signature, so validation runs and raises.
+    with pytest.raises(ValueError, match="enable_gqa"):
+        autoflash.attention(q, rand(1, 1, 33, 32), rand(1, 1, 33, 32))
+    # Differentiable calls go through the custom op (an autograd graph), never the fast path.
+    qg = q.clone().requires_grad_()
+    assert autoflash.attention(qg, k, v).grad_fn is not None
+    # A mask is not a signature the kernels took: it still reaches the (strict) fallback.
+    with pytest.raises(api.FallbackError):
+        autoflash.attention(q, k, v, attn_mask=torch.ones(33, 33, dtype=torch.bool))

@@ -198,3 +198,32 @@ def test_db_export_sqlite_writes_a_winners_only_db(tmp_path):
     assert r.exit_code == 0 and "2 winner(s)" in r.output
     counts = Store(out, readonly=True).counts()
     assert counts["winners"] == 2 and counts["trials"] == 0 and counts["gpus"] == 1
+
+
+def test_which_names_the_winner_and_the_db_it_came_from(tmp_path, monkeypatch):
+    import autoflash.dispatch
+    from autoflash import codegen
+    from autoflash.problem import gpu_fingerprint, load_shape_set
+    from autoflash.space import load_space
+    from autoflash.store import Store
+
+    db = tmp_path / "mine.db"
+    monkeypatch.setenv("AUTOFLASH_DB", str(db))
+    monkeypatch.setattr(autoflash.dispatch, "_dispatcher", None)  # a fresh dispatcher reads the new DB
+    dev, shape = gpu_fingerprint(), load_shape_set("tiny")[0]
+    winner = load_space("fwd").valid_variants(shape.problem, dev)[5]
+    store = Store(db)
+    store.add_gpu(dev)
+    store.set_winner(gpu_key=dev.key, problem=shape.problem, template_hash=codegen.template_hash("fwd"),
+                     variant_json=winner.json(), median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
+    store.close()
+    import autoflash.cli
+
+    monkeypatch.setattr(autoflash.cli.console, "width", 400)  # one table row per line
+    r = invoke("which", "--interpret", "--shapes", "tiny")
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.output.splitlines() if "fwd/" in line]
+    assert len(lines) == 4, r.output
+    assert "exact" in lines[0] and "mine.db" in lines[0] and winner.short() in lines[0]
+    # The causal shapes have no winner of their own kind: built-in default, never the non-causal row.
+    assert sum("built-in" in line for line in lines) == 2

@@ -81,6 +81,42 @@ def test_default_uses_tma_on_hopper_for_contiguous_inputs():
     assert get_dispatcher().module_for(odd, odd, odd, torch.empty_like(odd), causal=False).LOADS != "tma"
 
 
+DEFAULTS = [(op, d, c) for op in ("fwd", "bwd") for d in (64, 128, 256) for c in (False, True)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op, head_dim, causal", DEFAULTS)
+def test_default_variants_pass_the_gate_on_gpu(op, head_dim, causal, dtype):
+    """What untuned problems get: the built-in default (as the dispatcher adjusts it) is gated too."""
+    from autoflash.dispatch import default_variant, nearest_valid
+
+    device = gpu_fingerprint()
+    for hkv in (8, 2):
+        shape = Shape(2, 8, hkv, 1024, 1024, head_dim, causal, dtype, op=op)
+        variant = nearest_valid(default_variant(op, dtype, head_dim, device.cc_major >= 9), shape.problem, device)
+        result = check(codegen.load(variant), shape, "cuda")
+        assert result.passed, f"{variant.short()}: {result.detail}"
+
+
+def test_shipped_winners_are_served_on_their_gpu():
+    """With only the DBs shipped in cache/ (no user DB), the dispatcher serves their winners here."""
+    from autoflash.dispatch import Dispatcher, WinnerTable
+    from autoflash.problem import load_shape_set
+
+    device, shipped_paths = gpu_fingerprint(), WinnerTable.default_paths()[1:]
+    shipped = WinnerTable(device, shipped_paths)
+    if not shipped.rows:
+        pytest.skip(f"no shipped winners for {device.key}")
+    dispatcher, served = Dispatcher(winner_paths=shipped_paths), 0
+    for shape in load_shape_set("standard"):
+        if shape.problem.key in shipped.rows:
+            q, k, v = make_inputs(shape, "cuda", seed=9)
+            module = dispatcher.module_for(q, k, v, torch.empty_like(q), shape.causal)
+            assert module is codegen.load(shipped.rows[shape.problem.key]), shape.label()
+            served += 1
+    assert served > 0
+
+
 # Backward: one variant per dQ mode per (head_dim, causal).
 BWD_SAMPLE = gpu_sample("bwd", 11, lambda rng, valid: [rng.choice([v for v in valid if v["DQ_MODE"] == m]) for m in ("separate", "atomic")])
 

@@ -166,6 +166,45 @@ def dispatch_overhead(calls: int = 2000, repeats: int = 7) -> dict:
     return result
 
 
+def llama_step_times(batch: int = 4, seqlen: int = 2048, rounds: int = 3) -> dict:
+    """A small random-weight Llama (bf16, 8 layers, hidden 2048, 16 query / 4 KV heads of 128) from a
+    config, run with transformers' "sdpa" attention and with autoflash's registered implementation:
+    median ms of an inference forward and of a training step (forward+backward), interleaved
+    rounds in one process, plus the logits' relative difference."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autoflash.integrations.transformers as aft
+
+    name = aft.register()
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=seqlen)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seqlen), device="cuda")
+
+    def infer():
+        with torch.no_grad():
+            return model(ids).logits
+
+    def train_step():
+        model(ids, labels=ids).loss.backward()
+
+    impls = ("sdpa", name)
+    logits, times = {}, {(impl, step): [] for impl in impls for step in ("inference", "train_step")}
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        logits[impl] = infer().float()
+        train_step()  # compile and load every kernel before timing
+    for _ in range(rounds):
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            times[(impl, "inference")].append(bench_ms(infer, warmup_ms=25, rep_ms=200))
+            times[(impl, "train_step")].append(bench_ms(train_step, warmup_ms=25, rep_ms=400))
+    err = ((logits[name] - logits["sdpa"]).norm() / logits["sdpa"].norm()).item()
+    return {"name": name, "logits_rel_diff": err,
+            "ms": {key: statistics.median(t) for key, t in times.items()}}
+
+
 def fmt_tflops(x: float) -> str:
     """A TFLOP/s table cell: '-' when not measured, 2 significant digits when below 1."""
     if x != x:

@@ -121,9 +121,11 @@ def _require_gpu(what: str, hint: str = "") -> None:
 @click.option("--fwdbwd", is_flag=True, help="Time forward+backward through autograd instead of the forward.")
 @click.option("--memory", is_flag=True, help="With --fwdbwd: also report each method's peak memory above its inputs.")
 @click.option("--overhead", is_flag=True, help="Per-call host overhead of autoflash.attention vs a bare kernel launch.")
+@click.option("--llama", is_flag=True,
+              help="A small random-weight Llama (transformers) with 'sdpa' vs autoflash's attention: ms per step.")
 @click.option("--interpret", is_flag=True,
               help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
-def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, interpret):
+def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of do_bench medians.
@@ -139,8 +141,8 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, interpre
 
         gpu_fingerprint.cache_clear()
         shapes = "tiny" if shapes == "standard" else shapes
-        if fwdbwd or overhead:
-            raise click.ClickException("--fwdbwd and --overhead need a CUDA GPU")
+        if fwdbwd or overhead or llama:
+            raise click.ClickException("--fwdbwd, --overhead and --llama need a CUDA GPU")
     else:
         _require_gpu("autoflash bench", " Use --interpret to check the pipeline on tiny shapes on the CPU.")
     from autoflash import bench as bench_mod
@@ -153,6 +155,17 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, interpre
         console.print(f"bare kernel launch {r['bare_launch_us']:.1f} µs/call, autoflash.attention "
                       f"{r['autoflash_attention_us']:.1f} µs/call: dispatch overhead {r['overhead_us']:.1f} µs "
                       f"({device.name}, torch {device.torch_version}, triton {device.triton_version})")
+        return
+    if llama:
+        r = bench_mod.llama_step_times(rounds=rounds)
+        t = Table(title=f"Llama (8 layers, hidden 2048, GQA 16/4, d128, bf16, batch 4 x 2048 tokens) on {device.name}")
+        for col in ("step", "sdpa ms", f"{r['name']} ms", "speed-up"):
+            t.add_column(col)
+        for step in ("inference", "train_step"):
+            base, mine = r["ms"][("sdpa", step)], r["ms"][(r["name"], step)]
+            t.add_row(step, f"{base:.2f}", f"{mine:.2f}", f"{base / mine:.3f}x")
+        console.print(t)
+        console.print(f"logits vs sdpa: relative difference {r['logits_rel_diff']:.2e}")
         return
     shape_list = load_shape_set(shapes)
     if fwdbwd:

@@ -27,12 +27,16 @@ def default_variant(op: str, dtype: str, head_dim: int, has_tma: bool) -> Varian
     """The built-in variant used when nothing is tuned for a problem: choices measured on an H200
     (docs/results/) that pass the correctness gate there."""
     if op == "bwd":
-        # 4 warps: with 8 warps, 32x128 dK/dV tiles and 2+ pipeline stages, Triton 3.6 computes a
-        # wrong dK on the H200 (7% error at d128; docs/results/2026-11-30-h200-backward.md).
-        big = head_dim > 128
-        return Variant.of(op, dict(BLOCK_M1=32, BLOCK_N1=64 if big else 128, BLOCK_M2=64 if big else 128,
-                                   BLOCK_N2=32, num_warps=4, num_stages=2 if dtype == "float32" else 3,
-                                   DQ_MODE="separate"))
+        # Gated winners of the H200 backward tuning (docs/results/2026-11-30-h200-backward.md). Not
+        # 32x128 dK/dV tiles: pipelined 2+ stages deep, Triton 3.6 computes a wrong dK with them there.
+        if head_dim <= 64:
+            tiles = dict(BLOCK_M1=64, BLOCK_N1=128, DQ_MODE="atomic")
+        elif head_dim <= 128:
+            tiles = dict(BLOCK_M1=32, BLOCK_N1=64, DQ_MODE="atomic")
+        else:  # accumulators of 256 columns: small tiles, and a separate dQ kernel
+            tiles = dict(BLOCK_M1=32, BLOCK_N1=64, DQ_MODE="separate")
+        tiles.update(BLOCK_M2=64, BLOCK_N2=32)  # the dQ kernel's tiles (fixed in atomic mode)
+        return Variant.of(op, dict(tiles, num_warps=4, num_stages=2 if dtype == "float32" else 3))
     if op != "fwd":
         raise ValueError(f"no default variant for op {op!r}")
     if head_dim <= 64:

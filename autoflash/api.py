@@ -150,11 +150,19 @@ def _signature(q, k, v, causal: bool, scale, enable_gqa: bool) -> tuple:
             not ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15))
 
 
+def _memoizable(q, scale) -> bool:
+    """Whether a call may use (or fill) the repeated-signature fast path: not while torch.compile
+    traces, a plain-number scale, and CPU tensors only while the interpreter is on."""
+    if torch.compiler.is_compiling() or not (scale is None or isinstance(scale, (int, float))):
+        return False
+    return getattr(q, "is_cuda", False) or interpreter_enabled()
+
+
 def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool):
     """The host fast path: an inference call whose exact signature was validated before launches
     its kernel directly (no validation, no dispatcher lookup, a reused lse scratch). None when the
     call is new, differentiable or being traced by torch.compile: the full path handles those."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+    if not _memoizable(q, scale) or (torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad)):
         return None
     from autoflash.dispatch import ensure_allocator, get_dispatcher
@@ -218,7 +226,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if reason is not None:
         _fallback(reason)
         return _sdpa_fallback(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
-    signature = None if torch.compiler.is_compiling() else _signature(query, key, value, is_causal, scale, enable_gqa)
+    signature = _signature(query, key, value, is_causal, scale, enable_gqa) if _memoizable(query, scale) else None
     return _run(query, key, value, is_causal, 0, scale, signature).contiguous()
 
 

@@ -249,3 +249,20 @@ def test_fast_path_never_skips_validation_autograd_or_fallbacks(strict):
     # A mask is not a signature the kernels took: it still reaches the (strict) fallback.
     with pytest.raises(api.FallbackError):
         autoflash.attention(q, k, v, attn_mask=torch.ones(33, 33, dtype=torch.bool))
+
+
+@pytest.mark.interpreter
+def test_tensor_scale_and_interpreter_off_bypass_the_fast_path(strict, monkeypatch):
+    from autoflash.dispatch import get_dispatcher
+
+    get_dispatcher().inference_calls.clear()
+    q, k, v = (rand(1, 2, 20, 32, seed=s) for s in (4, 5, 6))
+    out = autoflash.attention(q, k, v, scale=torch.tensor(0.2))  # unhashable scale: served, not memoized
+    assert rel_error(out, reference(q, k, v, False, 0, 0.2)[0]) <= TOL[torch.float32]
+    assert not get_dispatcher().inference_calls
+    autoflash.attention(q, k, v)
+    assert len(get_dispatcher().inference_calls) == 1
+    # Same signature with the interpreter off: CPU tensors are a fallback again, never the cached kernel.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(api.FallbackError, match="CUDA GPU"):
+        autoflash.attention(q, k, v)

@@ -187,6 +187,9 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, i
         if md_path:
             with open(md_path, "w") as f:
                 f.write(bench_mod.markdown_table(rows, methods) + "\n")
+        if plot_path:
+            bench_mod.plot(rows, methods, plot_path, title)
+            console.print(f"plot saved to {plot_path}")
         return
     disp = get_dispatcher()
     choosers = {

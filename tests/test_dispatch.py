@@ -144,3 +144,25 @@ def test_locked_db_warns_and_uses_default_without_stalling(tmp_path):
         con.rollback()
         con.close()
     assert WinnerTable(DEVICE, [db]).lookup(p)[0] == some_variant(p, 1)
+
+
+@pytest.mark.interpreter
+def test_backward_winner_is_served_through_autograd(tmp_path, monkeypatch):
+    import autoflash
+    import autoflash.dispatch
+    from autoflash.measure import reference_grads
+    from autoflash.problem import seqlen_bucket
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g).requires_grad_() for _ in range(3))
+    grad = torch.randn(1, 2, 40, 32, generator=g)
+    prob = Problem("bwd", "float32", 32, True, 1, seqlen_bucket(40), seqlen_bucket(40))
+    winner = [w for w in load_space("bwd").valid_variants(prob, DEVICE) if w["DQ_MODE"] == "atomic"][-1]
+    assert winner != default_variant("bwd", "float32", 32, False)
+    db = make_db(tmp_path / "bwd.db", [(prob, winner.json())], template_hash=codegen.template_hash("bwd"))
+    dispatcher = Dispatcher([db])
+    monkeypatch.setattr(autoflash.dispatch, "_dispatcher", dispatcher)
+    autoflash.attention(q, k, v, is_causal=True).backward(grad)
+    assert any(m is codegen.load(winner) for m in dispatcher._table.values())
+    for mine, ref in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, grad, True, 0, 32 ** -0.5)):
+        assert rel_error(mine, ref) < 1e-4

@@ -162,14 +162,15 @@ def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool):
     """The host fast path: an inference call whose exact signature was validated before launches
     its kernel directly (no validation, no dispatcher lookup, a reused lse scratch). None when the
     call is new, differentiable or being traced by torch.compile: the full path handles those."""
-    if not _memoizable(q, scale) or (torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad)):
+    if not _memoizable(q, scale):
         return None
     from autoflash.dispatch import ensure_allocator, get_dispatcher
 
     try:
+        if _needs_op(q, k, v):
+            return None
         entry = get_dispatcher().inference_calls.get(_signature(q, k, v, causal, scale, enable_gqa))
-    except AttributeError:  # not tensors: the full path raises the proper error
+    except AttributeError:  # not tensors: the full path raises the proper ValueError
         return None
     if entry is None:
         return None

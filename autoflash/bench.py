@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from autoflash import codegen
-from autoflash.measure import (SDPA_BACKENDS, bench_ms, causal_offset_for, if_it_runs, make_inputs, sdpa_backend,
-                               sdpa_callable, tflops)
+from autoflash.measure import (SDPA_BACKENDS, bench_ms, causal_offset_for, if_it_runs, launch_callable, make_inputs,
+                               sdpa_backend, sdpa_callable, tflops)
 from autoflash.problem import Shape, geomean
 from autoflash.space import Variant
 
@@ -34,18 +34,12 @@ class BenchRow:
 
 
 def _variant_fn(variant: Variant, shape: Shape, q, k, v) -> Callable[[], None]:
-    from autoflash.dispatch import ensure_allocator, tma_compatible
+    from autoflash.dispatch import tma_compatible
 
     module = codegen.load(variant)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    if module.LOADS == "tma":
-        if not tma_compatible(q, k, v, out):
-            raise ValueError("TMA variant on TMA-incompatible tensors")
-        ensure_allocator()
-    scale = 1.0 / math.sqrt(shape.head_dim)
-    off = causal_offset_for(shape, "top_left")
-    return lambda: module.launch(q, k, v, out, lse, scale, shape.causal, off)
+    if module.LOADS == "tma" and not tma_compatible(q, k, v):
+        raise ValueError("TMA variant on TMA-incompatible tensors")
+    return launch_callable(module, shape, q, k, v, causal_offset_for(shape, "top_left"))
 
 
 def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,

@@ -465,6 +465,10 @@ def which(shapes, op, interpret):
     console.print(t)
 
 
+_db_file_option = click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None,
+                               help="DB file (default: the user DB).")
+
+
 @cli.group()
 def db():
     """Inspect the results database.
@@ -482,7 +486,7 @@ def db_path_cmd():
 
 
 @db.command("list")
-@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@_db_file_option
 @click.option("--gpu", default=None, help="Only GPUs whose key contains this text.")
 @click.option("--op", default=None, help="Only this op.")
 @click.option("--head-dim", type=int, default=None, help="Only this head dim.")
@@ -508,7 +512,7 @@ def db_list(db_file, gpu, op, head_dim):
 
 
 @db.command("plot")
-@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@_db_file_option
 @click.option("--gpu", default=None, help="Only GPUs whose key contains this text.")
 @click.option("--op", default="fwd", show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="PNG file to write.")
@@ -549,7 +553,7 @@ def _open_store(db_file, readonly: bool):
 
 @db.command("show")
 @click.argument("problem_key")
-@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@_db_file_option
 def db_show(problem_key, db_file):
     """Show the winner(s) of one problem key and its measured trials, best first.
 
@@ -577,7 +581,7 @@ def db_show(problem_key, db_file):
 
 
 @db.command("export")
-@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@_db_file_option
 @click.option("--format", "fmt", type=click.Choice(["json", "csv", "sqlite"]), default="json", show_default=True,
               help="json: winners for `db import`; csv: one table; sqlite: a winners-only DB (e.g. for cache/).")
 @click.option("--table", type=click.Choice(["winners", "trials"]), default="winners", show_default=True,
@@ -610,7 +614,7 @@ def db_export(db_file, fmt, table, output):
 
 @db.command("import")
 @click.argument("json_file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@_db_file_option
 def db_import(json_file, db_file):
     """Import a winners JSON export (idempotent; the faster row wins a conflict).
 
@@ -629,7 +633,7 @@ def db_import(json_file, db_file):
 
 @db.command("merge")
 @click.argument("other_db", type=click.Path(exists=True, dir_okay=False))
-@click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None, help="DB file (default: the user DB).")
+@_db_file_option
 def db_merge(other_db, db_file):
     """Merge the winners of another autoflash DB into this one (idempotent; refuses a foreign schema).
 

@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-from autoflash.problem import Shape
+from autoflash.problem import Shape, interpreter_enabled
 from autoflash.space import Variant
 
 GATE_FACTOR = 2.0  # candidate error <= GATE_FACTOR * SDPA's error (DESIGN.md §4)
@@ -110,15 +110,11 @@ def gate_shapes(shape: Shape) -> list[Shape]:
     base = dict(heads_q=hq, heads_kv=hk, head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
                 op=shape.op)
     # (batch, seqlen_q, seqlen_k): the short ragged shapes use 2 sequences to cover batch strides.
-    if torch.cuda.is_available() and not _interpreting():
+    if torch.cuda.is_available() and not interpreter_enabled():
         sizes = [(1, 1023, 1023), (2, 113, 203), (2, 203, 113), (1, 1, 37)]
     else:
         sizes = [(1, 37, 37), (2, 17, 64), (2, 64, 17)]
     return [Shape(batch=b, seqlen_q=nq, seqlen_k=nk, **base) for b, nq, nk in sizes]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def run_variant(module, q, k, v, causal: bool, causal_offset: int, scale: float):
@@ -229,15 +225,25 @@ def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
 def time_variant(module, shape: Shape, device, rep_ms: float = 100, align: str = "top_left") -> float:
     q, k, v = make_inputs(shape, device, seed=1234)
     off = causal_offset_for(shape, align)
+    return _time_callable(launch_callable(module, shape, q, k, v, off), device, rep_ms)
+
+
+def launch_callable(module, shape: Shape, q, k, v, off: int):
+    """A no-argument launch of a forward or backward variant on fixed inputs (outputs allocated
+    once; a backward variant gets out/lse from the forward and a random dO)."""
     scale = 1.0 / math.sqrt(shape.head_dim)
     if module.OP == "bwd":
-        return _time_callable(_backward_callable(module, shape, q, k, v, off, scale), device, rep_ms)
+        grad = make_inputs(shape, q.device, seed=4321)[0]
+        out, lse = _forward_for_backward(q, k, v, shape.causal, off, scale)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        return lambda: module.launch(q, k, v, out, lse, grad, *grads, scale, shape.causal, off)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     if module.LOADS == "tma":
         from autoflash.dispatch import ensure_allocator
+
         ensure_allocator()
-    return _time_callable(lambda: module.launch(q, k, v, out, lse, scale, shape.causal, off), device, rep_ms)
+    return lambda: module.launch(q, k, v, out, lse, scale, shape.causal, off)
 
 
 SDPA_BACKENDS = ("cudnn", "flash")
@@ -265,7 +271,7 @@ _gate_cache: dict = {}
 
 def ping() -> dict:
     """A no-op task that makes a fresh worker import torch and create its CUDA context."""
-    if torch.cuda.is_available() and not _interpreting():
+    if torch.cuda.is_available() and not interpreter_enabled():
         torch.zeros(1, device="cuda")
     return {"status": "ok", "samples": {}}
 
@@ -295,14 +301,6 @@ def evaluate_variant(variant_json: str, op: str, shape: Shape, rep_ms: float, de
                        seconds=time.perf_counter() - t0)
     ms = time_variant(module, shape, device, rep_ms=rep_ms)
     return Outcome("ok", ms=ms, err=gate.err, sdpa_err=gate.sdpa_err, seconds=time.perf_counter() - t0)
-
-
-def _backward_callable(module, shape: Shape, q, k, v, off, scale):
-    """A no-argument launch of a backward variant on fixed inputs (out/lse from the forward)."""
-    grad = make_inputs(shape, q.device, seed=4321)[0]
-    out, lse = _forward_for_backward(q, k, v, shape.causal, off, scale)
-    grads = [torch.empty_like(t) for t in (q, k, v)]
-    return lambda: module.launch(q, k, v, out, lse, grad, *grads, scale, shape.causal, off)
 
 
 def _gate_and_timing_inputs(shape: Shape, device):
@@ -354,9 +352,6 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
 
     device = torch.device(device_str)
     q, k, v = make_inputs(shape, device, seed=99)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=device, dtype=torch.float32)
-    scale = 1.0 / math.sqrt(shape.head_dim)
     fns = {}
     for m in methods:
         if m.startswith("sdpa_"):
@@ -364,14 +359,7 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
                 fns[m] = sdpa_callable(m[5:], shape, q, k, v, backward=(op == "bwd"))
             continue
         variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, m)).as_dict())
-        module = codegen.load(variant)
-        if module.OP == "bwd":
-            fns[m] = _backward_callable(module, shape, q, k, v, 0, scale)
-            continue
-        if module.LOADS == "tma":
-            from autoflash.dispatch import ensure_allocator
-            ensure_allocator()
-        fns[m] = (lambda mod: lambda: mod.launch(q, k, v, out, lse, scale, shape.causal, 0))(module)
+        fns[m] = launch_callable(codegen.load(variant), shape, q, k, v, 0)
     samples = {m: [] for m in methods}
     for _ in range(rounds):
         for m in methods:

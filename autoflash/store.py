@@ -195,16 +195,14 @@ class Store:
 
     def copy_winners_to(self, path, gpu_key: str | None = None) -> int:
         """Write a small DB (same schema) holding only winners and their GPUs, e.g. to ship in cache/."""
+        data = self.export_winners(gpu_key)
         out = Store(path)
-        rows = self.winners(gpu_key)
-        for key in {r["gpu_key"] for r in rows}:
-            gpu = self.db["gpus"].get(key)
-            out._retry(lambda: out.db["gpus"].upsert(gpu, pk="gpu_key"))
-        out._retry(lambda: out.db["winners"].upsert_all(rows, pk=("gpu_key", "problem", "template_hash")))
+        out._retry(lambda: out.db["gpus"].upsert_all(data["gpus"], pk="gpu_key"))
+        out._retry(lambda: out.db["winners"].upsert_all(data["winners"], pk=("gpu_key", "problem", "template_hash")))
         out.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         out.db.conn.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
         out.close()
-        return len(rows)
+        return len(data["winners"])
 
     # ---- exchange: export / import / merge (winners and their GPUs; trials stay local history)
     def export_winners(self, gpu_key: str | None = None) -> dict:

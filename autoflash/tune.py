@@ -183,7 +183,8 @@ class Tuner:
             """Ask for up to n new candidates and start compiling them (in the background)."""
             if study is None:
                 batch = [(None, v) for v in queue_ if v.json() not in done][:n] if n > 0 and time_left() else []
-                queue_[:] = [v for v in queue_ if v not in {b for _, b in batch}]
+                taken = {v for _, v in batch}
+                queue_[:] = [v for v in queue_ if v not in taken]
                 return (batch, self._compile_async(batch, shape)) if batch else None
             while n > 0 and time_left() and stale <= 3:
                 batch = self._ask_batch(study, space, problem, done, n)

@@ -266,3 +266,12 @@ def test_tensor_scale_and_interpreter_off_bypass_the_fast_path(strict, monkeypat
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(api.FallbackError, match="CUDA GPU"):
         autoflash.attention(q, k, v)
+
+
+@pytest.mark.parametrize("bad", ["query", "key"])
+def test_non_tensor_input_is_a_value_error_even_after_a_fast_path_call(bad):
+    q = rand(1, 2, 8, 32)
+    autoflash.attention(q, q, q)  # fills the fast path for this signature
+    args = {"query": q, "key": q, "value": q, bad: [1.0]}
+    with pytest.raises(ValueError, match=f"{bad} must be a torch.Tensor"):
+        autoflash.attention(**args)

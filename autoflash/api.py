@@ -71,8 +71,11 @@ def _check_heads(hq: int, hkv: int, gqa_allowed: bool, qn: str, kn: str) -> None
         raise ValueError(f"{qn} heads ({hq}) must be a multiple of {kn} heads ({hkv}) for grouped-query attention")
 
 
-def _unsupported_reason(q, k, v, attn_mask, dropout_p) -> str | None:
+def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
     """Why the kernels cannot take this (valid) call, or None when they can."""
+    if scale is not None and not float(scale) > 0:
+        # The kernels scale scores after taking their row max, which needs a positive scale.
+        return "a softmax scale that is not positive is not supported by the kernels"
     if attn_mask is not None:
         return "an explicit attn_mask is not supported by the kernels"
     if dropout_p > 0.0:
@@ -197,6 +200,14 @@ def _sdpa_fallback(q, k, v, attn_mask, dropout_p, causal, causal_offset, scale):
         mask = j <= i + causal_offset
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         return out.masked_fill(~mask.any(dim=1)[:, None], 0.0)  # rows with no visible key: 0, as flash-attn
+    if scale is not None and not float(scale) > 0:
+        # Seen with torch 2.11 on CPU: the default SDPA backend returns NaN for a causal mask with
+        # a scale <= 0; the math backend does not.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=causal, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=causal, scale=scale)
 
@@ -223,7 +234,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     layout = "(batch, heads, seqlen, head_dim)"
     _validate(query, key, value, ("query", "key", "value"), layout)
     _check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
-    reason = _unsupported_reason(query, key, value, attn_mask, dropout_p)
+    reason = _unsupported_reason(query, key, value, attn_mask, dropout_p, scale)
     if reason is not None:
         _fallback(reason)
         return _sdpa_fallback(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
@@ -251,7 +262,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     offset = k.shape[1] - q.shape[1]
-    reason = _unsupported_reason(qt, kt, vt, None, dropout_p)
+    reason = _unsupported_reason(qt, kt, vt, None, dropout_p, softmax_scale)
     if reason is not None:
         _fallback(reason)
         return _sdpa_fallback(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()

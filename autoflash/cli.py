@@ -586,24 +586,34 @@ def db_show(problem_key, db_file):
               help="json: winners for `db import`; csv: one table; sqlite: a winners-only DB (e.g. for cache/).")
 @click.option("--table", type=click.Choice(["winners", "trials"]), default="winners", show_default=True,
               help="CSV only: which table (JSON exports winners, importable elsewhere).")
+@click.option("--op", type=click.Choice(["fwd", "bwd"]), help="Winners of this op only (json, sqlite).")
+@click.option("--current", is_flag=True,
+              help="Only winners the current templates can serve (json, sqlite): what to ship in cache/.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="-", show_default=True)
-def db_export(db_file, fmt, table, output):
+def db_export(db_file, fmt, table, op, current, output):
     """Export winners as JSON (for `autoflash db import`), a table as CSV, or winners as a small DB.
 
     Example: autoflash db export -o h200-winners.json
+    Example: autoflash db export --format sqlite --op fwd --current -o cache/h200-forward.db
     """
     import csv
+
+    from autoflash import codegen
+
+    def keep(row) -> bool:
+        return ((op is None or row["op"] == op)
+                and (not current or row["template_hash"] == codegen.template_hash(row["op"])))
 
     store = _open_store(db_file, readonly=True)
     if fmt == "sqlite":
         if output == "-":
             raise click.ClickException("--format sqlite needs -o FILE")
-        n = store.copy_winners_to(output)
+        n = store.copy_winners_to(output, keep=keep)
         console.print(f"{n} winner(s) written to {output}")
         return
     with click.open_file(output, "w") as f:
         if fmt == "json":
-            json.dump(store.export_winners(), f, indent=1, sort_keys=True)
+            json.dump(store.export_winners(keep=keep), f, indent=1, sort_keys=True)
             f.write("\n")
         else:
             rows = list(store.db[table].rows)

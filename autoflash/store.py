@@ -193,9 +193,10 @@ class Store:
                                                   [gpu_key, problem_key, template_hash]))
         return rows[0] if rows else None
 
-    def copy_winners_to(self, path, gpu_key: str | None = None) -> int:
-        """Write a small DB (same schema) holding only winners and their GPUs, e.g. to ship in cache/."""
-        data = self.export_winners(gpu_key)
+    def copy_winners_to(self, path, gpu_key: str | None = None, keep=None) -> int:
+        """Write a small DB (same schema) holding only winners and their GPUs, e.g. to ship in cache/.
+        keep: optional row filter (see `export_winners`)."""
+        data = self.export_winners(gpu_key, keep)
         out = Store(path)
         out._retry(lambda: out.db["gpus"].upsert_all(data["gpus"], pk="gpu_key"))
         out._retry(lambda: out.db["winners"].upsert_all(data["winners"], pk=("gpu_key", "problem", "template_hash")))
@@ -205,8 +206,9 @@ class Store:
         return len(data["winners"])
 
     # ---- exchange: export / import / merge (winners and their GPUs; trials stay local history)
-    def export_winners(self, gpu_key: str | None = None) -> dict:
-        rows = self.winners(gpu_key)
+    def export_winners(self, gpu_key: str | None = None, keep=None) -> dict:
+        """Winners (those for which keep(row) is true, when given) and the GPUs they belong to."""
+        rows = [r for r in self.winners(gpu_key) if keep is None or keep(r)]
         gpus = [self.db["gpus"].get(k) for k in sorted({r["gpu_key"] for r in rows})]
         return {"format": "autoflash-winners", "schema_version": SCHEMA_VERSION, "gpus": gpus, "winners": rows}
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 import optuna
 
-from autoflash import codegen, measure
+from autoflash import codegen, measure, resources
 from autoflash.dispatch import default_variant, nearest_valid
 from autoflash.problem import GPUFingerprint, Problem, Shape, gpu_fingerprint
 from autoflash.space import Variant, load_space
@@ -222,14 +222,30 @@ class Tuner:
         return self._pick_winner(shape, problem, thash, done, default, measured, failed)
 
     def _seeds(self, default: Variant, problem: Problem, thash: str, budget: int) -> list[Variant]:
-        """The default and known-good variants (other problems' winners of the same dtype and head dim)."""
+        """The default and known-good variants: this problem's winners under earlier versions of the
+        template, in this DB or shipped in cache/ (a warm start after a template edit; knobs they
+        lack take the default's values), then other problems' winners of the same dtype and head dim."""
         seeds = [default]
         space = load_space(problem.op)
-        for w in self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim, template_hash=thash):
-            if w["dtype"] != problem.dtype or w["problem"] == problem.key:
-                continue
+        rows = self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim)
+        for path in sorted(resources.data_dir("cache").glob("*.db")):
             try:
-                v = space.validate(json.loads(w["variant"]), problem, self.device)
+                shipped = Store(path, readonly=True)
+                try:
+                    rows += shipped.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim)
+                finally:
+                    shipped.close()
+            except Exception:  # an unreadable shipped DB only costs the warm start
+                continue
+        earlier = [w for w in rows if w["problem"] == problem.key and w["template_hash"] != thash]
+        others = [w for w in rows if w["problem"] != problem.key and w["template_hash"] == thash
+                  and w["dtype"] == problem.dtype]
+        for w in earlier + others:
+            try:
+                knobs = json.loads(w["variant"])
+                if isinstance(knobs, dict) and w["template_hash"] != thash:
+                    knobs = {k: knobs.get(k, value) for k, value in default.as_dict().items()}
+                v = space.validate(knobs, problem, self.device)
             except ValueError:
                 continue
             if v not in seeds:

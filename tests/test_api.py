@@ -130,6 +130,19 @@ def test_strict_mode_turns_fallback_into_error(strict):
         autoflash.attention(rand(1, 2, 16, 12), rand(1, 2, 16, 12), rand(1, 2, 16, 12))
 
 
+@pytest.mark.interpreter
+def test_non_positive_scale_falls_back_and_stays_right():
+    q, k, v = rand(1, 2, 37, 32, seed=1), rand(1, 2, 37, 32, seed=2), rand(1, 2, 37, 32, seed=3)
+    for scale in (-0.3, 0.0):
+        with pytest.warns(api.FallbackWarning, match="scale"):
+            out = autoflash.attention(q, k, v, is_causal=True, scale=scale)
+        ref, _ = reference(q, k, v, True, 0, scale)
+        assert rel_error(out, ref) < 1e-5
+        api._warned_reasons.clear()
+    with pytest.warns(api.FallbackWarning, match="scale"):
+        autoflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=-1.0)
+
+
 def test_cpu_tensors_without_interpreter_fall_back(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v = rand(1, 2, 16, 32, seed=1), rand(1, 2, 16, 32, seed=2), rand(1, 2, 16, 32, seed=3)

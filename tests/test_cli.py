@@ -17,9 +17,9 @@ def test_space_prints_axes_and_counts():
     r = invoke("space", "--op", "fwd", "--head-dim", "64", "--causal")
     assert r.exit_code == 0
     assert "BLOCK_M" in r.output and "WARP_SPECIALIZE" in r.output
-    assert "variants before constraints: 1728" in r.output
+    assert "variants before constraints: 2592" in r.output
     after = int(r.output.rsplit("after:", 1)[1].split()[0])
-    assert 0 < after < 1728
+    assert 0 < after < 2592
 
 
 def test_space_list_is_json_lines():
@@ -198,6 +198,30 @@ def test_db_export_sqlite_writes_a_winners_only_db(tmp_path):
     assert r.exit_code == 0 and "2 winner(s)" in r.output
     counts = Store(out, readonly=True).counts()
     assert counts["winners"] == 2 and counts["trials"] == 0 and counts["gpus"] == 1
+
+
+def test_db_export_ships_only_current_winners_of_one_op(tmp_path):
+    from autoflash import codegen
+    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.space import load_space
+    from autoflash.store import Store
+
+    src = _db_with_winners(tmp_path / "src.db", n=2)  # template hash "t": an earlier template
+    dev = gpu_fingerprint()
+    store = Store(src)
+    for op in ("fwd", "bwd"):
+        prob = Problem(op, "float16", 64, True, 1, 128, 128)
+        store.set_winner(gpu_key=dev.key, problem=prob, template_hash=codegen.template_hash(op),
+                         variant_json=load_space(op).valid_variants(prob, dev)[0].json(),
+                         median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
+    store.close()
+    out = tmp_path / "ship.db"
+    r = invoke("db", "export", "--db", str(src), "--format", "sqlite", "--op", "bwd", "--current", "-o", str(out))
+    assert r.exit_code == 0 and "1 winner(s)" in r.output
+    (row,) = Store(out, readonly=True).winners()
+    assert row["op"] == "bwd" and row["template_hash"] == codegen.template_hash("bwd")
+    r = invoke("db", "export", "--db", str(src), "--op", "fwd")
+    assert r.exit_code == 0 and len(json.loads(r.output)["winners"]) == 3  # both fwd templates
 
 
 def test_which_names_the_winner_and_the_db_it_came_from(tmp_path, monkeypatch):

@@ -180,3 +180,18 @@ def test_global_budget_is_shared_and_respected(tmp_path):
     assert [r.status for r in results] == ["tuned"] * len(shapes)
     for r in results:
         assert 1 <= r.measured < len(load_space("fwd").valid_variants(r.problem, gpu_fingerprint()))
+
+
+def test_winner_of_an_earlier_template_seeds_the_search(tmp_path):
+    """After a template edit the old winner is retired but measured first again (a warm start);
+    a knob the old template lacked takes the default's value."""
+    store = Store(tmp_path / "t.db")
+    gpu_key = store.add_gpu(gpu_fingerprint())
+    old = dict(tiny_default().as_dict(), BLOCK_N=32 if tiny_default()["BLOCK_N"] != 32 else 64, num_stages=2)
+    del old["GRID_ORDER"]  # say the earlier template had no such knob
+    store.set_winner(gpu_key=gpu_key, problem=TINY.problem, template_hash="0123456789abcdef",
+                     variant_json=json.dumps(old), median_ms=1.0, spread=0.0, tflops=1.0, trials=1)
+    tune([TINY], store, TuneOptions(trials=8, interpret=True))
+    tried = [json.loads(r["variant"]) for r in store.db["trials"].rows_where(order_by="id")]
+    assert tried[0] == tiny_default().as_dict()
+    assert tried[1] == dict(old, GRID_ORDER=tiny_default()["GRID_ORDER"])

@@ -279,7 +279,7 @@ def _results_table(results, title):
 
 @cli.command()
 @click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune: fwd, bwd.")
-@click.option("--shapes", default=None, help="Shape set: standard (default), gqa, long, train (backward grid), sweep_d64, sweep_d256, tiny (default with --interpret), or a TOML file.")
+@click.option("--shapes", default=None, help="Shape set: standard (default), gqa, long, train (backward grid), llama (the problem of `bench --llama`), sweep_d64, sweep_d256, tiny (default with --interpret), or a TOML file.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Override the shape set's dtype.")
 @click.option("--budget", type=float, default=None, help="Time budget for the whole run, in minutes.")
 @click.option("--trials", type=int, default=40, show_default=True, help="Measured candidates per problem.")

@@ -195,14 +195,20 @@ class Store:
 
     def copy_winners_to(self, path, gpu_key: str | None = None, keep=None) -> int:
         """Write a small DB (same schema) holding only winners and their GPUs, e.g. to ship in cache/.
-        keep: optional row filter (see `export_winners`)."""
+        keep: optional row filter (see `export_winners`). A file already at `path` is replaced
+        whole (never merged into: rows it held must not survive an export)."""
         data = self.export_winners(gpu_key, keep)
-        out = Store(path)
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + ".partial")
+        for stale in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
+            stale.unlink(missing_ok=True)
+        out = Store(tmp)
         out._retry(lambda: out.db["gpus"].upsert_all(data["gpus"], pk="gpu_key"))
         out._retry(lambda: out.db["winners"].upsert_all(data["winners"], pk=("gpu_key", "problem", "template_hash")))
         out.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         out.db.conn.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
         out.close()
+        os.replace(tmp, path)
         return len(data["winners"])
 
     # ---- exchange: export / import / merge (winners and their GPUs; trials stay local history)

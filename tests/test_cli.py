@@ -215,9 +215,10 @@ def test_db_export_ships_only_current_winners_of_one_op(tmp_path):
                          variant_json=load_space(op).valid_variants(prob, dev)[0].json(),
                          median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
     store.close()
-    out = tmp_path / "ship.db"
+    out = _db_with_winners(tmp_path / "ship.db", n=1)  # an earlier shipped file: replaced, not merged into
     r = invoke("db", "export", "--db", str(src), "--format", "sqlite", "--op", "bwd", "--current", "-o", str(out))
     assert r.exit_code == 0 and "1 winner(s)" in r.output
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ship.db") and p.name != "ship.db"]
     (row,) = Store(out, readonly=True).winners()
     assert row["op"] == "bwd" and row["template_hash"] == codegen.template_hash("bwd")
     r = invoke("db", "export", "--db", str(src), "--op", "fwd")

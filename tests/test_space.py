@@ -112,3 +112,26 @@ def test_render_refuses_undeclared_values():
     v = next(iter(sp.all_variants())).replace(LOADS="evil")
     with pytest.raises(InvalidVariant):
         codegen.render(v)
+
+
+def test_every_named_shape_set_loads_for_both_ops():
+    from autoflash.problem import load_shape_set, shape_set_names
+
+    assert {"standard", "train", "gqa", "llama", "tiny"} <= set(shape_set_names())
+    for name in shape_set_names():
+        for op in ("fwd", "bwd"):
+            shapes = load_shape_set(name, op)
+            assert shapes and all(s.op == op and s.heads_q % s.heads_kv == 0 for s in shapes)
+    (llama,) = load_shape_set("llama", "bwd")
+    assert llama.problem.key == "bwd/bfloat16/d128/causal/g4/q2048/k2048"
+
+
+def test_heavy_first_is_offered_for_causal_problems_only():
+    from autoflash.problem import Problem, gpu_fingerprint
+
+    dev = gpu_fingerprint()
+    for op in ("fwd", "bwd"):
+        space = load_space(op)
+        orders = {c: {v["GRID_ORDER"] for v in space.valid_variants(Problem(op, "float16", 64, c, 1, 1024, 1024), dev)}
+                  for c in (False, True)}
+        assert "heavy_first" in orders[True] and "heavy_first" not in orders[False]

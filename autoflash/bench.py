@@ -33,10 +33,10 @@ class BenchRow:
         return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else float("nan")
 
 
-def _variant_fn(variant: Variant, shape: Shape, q, k, v) -> Callable[[], None]:
+def _variant_fn(variant: Variant, shape: Shape, q, k, v, template_file=None) -> Callable[[], None]:
     from autoflash.dispatch import tma_compatible
 
-    module = codegen.load(variant)
+    module = codegen.load(variant, template_file)
     if module.LOADS == "tma" and not tma_compatible(q, k, v):
         raise ValueError("TMA variant on TMA-incompatible tensors")
     return launch_callable(module, shape, q, k, v, causal_offset_for(shape, "top_left"))
@@ -44,9 +44,11 @@ def _variant_fn(variant: Variant, shape: Shape, q, k, v) -> Callable[[], None]:
 
 def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,
               rep_ms: float = 50, sdpa: tuple = SDPA_BACKENDS, progress: Callable[[str], None] | None = None,
-              device: str = "cuda") -> list[BenchRow]:
-    """Time each named variant chooser and each SDPA backend on every shape. device='cpu' (the
-    Triton interpreter) times one call by wall clock and skips SDPA: a pipeline check, not performance."""
+              device: str = "cuda", templates: dict[str, str] | None = None) -> list[BenchRow]:
+    """Time each named variant chooser and each SDPA backend on every shape (forward or backward
+    alone, by the shapes' op). templates: method name -> a template file to render that method's
+    variants from instead of the package's. device='cpu' (the Triton interpreter) times one call by
+    wall clock and skips SDPA: a pipeline check, not performance."""
     from autoflash.measure import _time_callable
 
     rows = []
@@ -54,9 +56,10 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
         if progress:
             progress(shape.label())
         q, k, v = make_inputs(shape, device, seed=7)
-        fns = {name: _variant_fn(choose(shape), shape, q, k, v) for name, choose in variants.items()}
+        fns = {name: _variant_fn(choose(shape), shape, q, k, v, (templates or {}).get(name))
+               for name, choose in variants.items()}
         for backend in sdpa if device == "cuda" else ():
-            fn = sdpa_callable(backend, shape, q, k, v)
+            fn = sdpa_callable(backend, shape, q, k, v, backward=shape.op == "bwd")
             if fn is not None:
                 fns[f"sdpa_{backend}"] = fn
         for fn in fns.values():

@@ -123,14 +123,21 @@ def _require_gpu(what: str, hint: str = "") -> None:
 @click.option("--overhead", is_flag=True, help="Per-call host overhead of autoflash.attention vs a bare kernel launch.")
 @click.option("--llama", is_flag=True,
               help="A small random-weight Llama (transformers) with 'sdpa' vs autoflash's attention: ms per step.")
+@click.option("--op", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True,
+              help="Time the forward or the backward kernels (without --fwdbwd/--overhead/--llama).")
+@click.option("--baseline-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Also time each shape's variant rendered from this template file (e.g. the previous "
+                   "version of the op's template), as method 'baseline': an A/B of a template edit. A knob "
+                   "value that template does not know renders as that template treats it.")
 @click.option("--interpret", is_flag=True,
               help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
-def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, interpret):
+def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, op, baseline_template, interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of do_bench medians.
 
     Example: autoflash bench --shapes standard --plot bench.png
+    Example: git show HEAD~1:templates/attn_fwd.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja
     """
     import dataclasses
     import os
@@ -167,7 +174,7 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, i
         console.print(t)
         console.print(f"logits vs sdpa: relative difference {r['logits_rel_diff']:.2e}")
         return
-    shape_list = load_shape_set(shapes)
+    shape_list = load_shape_set(shapes, op)
     if fwdbwd:
         with console.status("benchmarking forward+backward") as status:
             rows, peaks = bench_mod.run_fwdbwd(shape_list, rounds=rounds, memory=memory,
@@ -194,19 +201,25 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, i
     disp = get_dispatcher()
     choosers = {
         "autoflash": lambda s: disp.variant_for(s.problem, device, tma_ok=True),
-        "default": lambda s: default_variant("fwd", s.dtype, s.head_dim, device.cc_major >= 9),
+        "default": lambda s: default_variant(op, s.dtype, s.head_dim, device.cc_major >= 9),
     }
+    templates = None
+    if baseline_template:  # the dispatched variant again, rendered from the other template
+        choosers["baseline"] = choosers["autoflash"]
+        templates = {"baseline": baseline_template}
     with console.status("benchmarking") as status:
         rows = bench_mod.run_bench(shape_list, choosers, rounds=rounds, device="cpu" if interpret else "cuda",
-                                   progress=lambda label: status.update(f"benchmarking {label}"))
-    methods = ["autoflash", "default"] + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
-    title = f"forward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
+                                   progress=lambda label: status.update(f"benchmarking {label}"), templates=templates)
+    methods = list(choosers) + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
+    base = "baseline" if baseline_template else "default" if interpret else "sdpa_cudnn"
+    title = (f"{'forward' if op == 'fwd' else 'backward'} TFLOP/s on {device.name}, torch {device.torch_version}, "
+             f"triton {device.triton_version}")
     if interpret:
         title += " (interpreter wall clock: not GPU performance)"
-    console.print(bench_mod.rich_table(rows, methods, title, base="default" if interpret else "sdpa_cudnn"))
+    console.print(bench_mod.rich_table(rows, methods, title, base=base))
     if md_path:
         with open(md_path, "w") as f:
-            f.write(bench_mod.markdown_table(rows, methods, base="default" if interpret else "sdpa_cudnn") + "\n")
+            f.write(bench_mod.markdown_table(rows, methods, base=base) + "\n")
     if plot_path:
         bench_mod.plot(rows, methods, plot_path, title)
         console.print(f"plot saved to {plot_path}")

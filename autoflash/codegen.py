@@ -4,6 +4,10 @@
 each variant is rendered once to `<kernel cache>/<op>_<hash>.py` (hash of the template source and
 the variant) and imported from there, in this process and the next. The module exposes
 `launch(...)` and `grid(...)`; see the template for their signatures.
+
+A variant can also be rendered from another template file (`template_file=`), e.g. the previous
+version of a template, to time both with the same knobs before retuning (`autoflash bench
+--baseline-template`).
 """
 
 from __future__ import annotations
@@ -53,22 +57,33 @@ def template_source(op: str) -> str:
 @functools.lru_cache(maxsize=None)
 def template_hash(op: str) -> str:
     """Part of every stored result's key: a changed template never serves stale winners."""
-    return hashlib.sha256(template_source(op).encode()).hexdigest()[:16]
+    return _source_hash(template_source(op))
 
 
-def render(variant: Variant) -> str:
-    """The Triton source of one variant. Only declared knob values ever reach the template."""
+def _source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def render(variant: Variant, template_file: str | os.PathLike | None = None) -> str:
+    """The Triton source of one variant. Only declared knob values ever reach the template.
+    template_file: render from this template instead of the package's (knobs it does not read are
+    ignored; a knob it reads that the variant lacks is an error)."""
     checked = load_space(variant.op).check_declared(variant.as_dict())
-    template = _environment().get_template(load_space(variant.op).template)
+    if template_file is None:
+        template = _environment().get_template(load_space(variant.op).template)
+    else:
+        template = _environment().from_string(pathlib.Path(template_file).read_text(encoding="utf-8"))
     return template.render(**checked.as_dict())
 
 
-def variant_hash(variant: Variant) -> str:
-    return hashlib.sha256(f"{template_hash(variant.op)}:{variant.json()}".encode()).hexdigest()[:20]
+def variant_hash(variant: Variant, template_file: str | os.PathLike | None = None) -> str:
+    thash = template_hash(variant.op) if template_file is None else _source_hash(
+        pathlib.Path(template_file).read_text(encoding="utf-8"))
+    return hashlib.sha256(f"{thash}:{variant.json()}".encode()).hexdigest()[:20]
 
 
-def source_path(variant: Variant) -> pathlib.Path:
-    return kernel_cache_dir() / f"{variant.op}_{variant_hash(variant)}.py"
+def source_path(variant: Variant, template_file: str | os.PathLike | None = None) -> pathlib.Path:
+    return kernel_cache_dir() / f"{variant.op}_{variant_hash(variant, template_file)}.py"
 
 
 def _write_atomically(path: pathlib.Path, text: str) -> None:
@@ -79,11 +94,11 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
     os.replace(tmp, path)  # concurrent writers of the same variant write identical text
 
 
-def load(variant: Variant) -> ModuleType:
+def load(variant: Variant, template_file: str | os.PathLike | None = None) -> ModuleType:
     """Render (if not cached on disk), import (if not imported yet) and return the module."""
     # The interpreter flag is part of the key: @triton.jit decides at import time whether the
     # kernel runs compiled or interpreted.
-    key = (variant.op, variant_hash(variant), os.environ.get("TRITON_INTERPRET", "0"))
+    key = (variant.op, variant_hash(variant, template_file), os.environ.get("TRITON_INTERPRET", "0"))
     module = _modules.get(key)
     if module is not None:
         return module
@@ -91,8 +106,8 @@ def load(variant: Variant) -> ModuleType:
         module = _modules.get(key)
         if module is not None:
             return module
-        path = source_path(variant)
-        source = render(variant)
+        path = source_path(variant, template_file)
+        source = render(variant, template_file)
         if not path.is_file() or path.read_text(encoding="utf-8") != source:
             _write_atomically(path, source)
         name = f"autoflash_kernels.{path.stem}_{key[2]}"

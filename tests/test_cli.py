@@ -179,6 +179,28 @@ def test_bench_interpret_runs_the_pipeline(tmp_path):
     assert (tmp_path / "b.png").stat().st_size > 1000
 
 
+def test_bench_baseline_template_times_the_same_variant_from_another_template(tmp_path):
+    """An A/B of a template edit: the backward variants rendered from a second template file."""
+    import os
+    import pathlib
+
+    from autoflash import resources
+
+    baseline = tmp_path / "attn_bwd_old.py.jinja"
+    source = resources.read_text("templates", "attn_bwd.py.jinja")
+    baseline.write_text(source.replace("import torch\n", "import torch  # baseline-marker\n", 1))
+    md = tmp_path / "ab.md"
+    r = invoke("bench", "--interpret", "--op", "bwd", "--rounds", "1", "--baseline-template", str(baseline),
+               "--markdown", str(md))
+    assert r.exit_code == 0, r.output
+    lines = md.read_text().splitlines()
+    assert lines[0] == ("| shape | autoflash TFLOP/s | default TFLOP/s | baseline TFLOP/s | autoflash/baseline "
+                        "| default/baseline |")
+    assert len(lines) == 2 + 4 + 1 and all(line.startswith("| bwd ") for line in lines[2:6])
+    rendered = [p.read_text() for p in pathlib.Path(os.environ["AUTOFLASH_KERNEL_CACHE"]).glob("bwd_*.py")]
+    assert any("baseline-marker" in text for text in rendered)  # really rendered from the other file
+
+
 def test_db_plot_of_the_committed_h200_results(tmp_path):
     import pathlib
 

@@ -36,7 +36,8 @@ def default_variant(op: str, dtype: str, head_dim: int, has_tma: bool) -> Varian
         else:  # accumulators of 256 columns: small tiles, and a separate dQ kernel
             tiles = dict(BLOCK_M1=32, BLOCK_N1=64, DQ_MODE="separate")
         tiles.update(BLOCK_M2=64, BLOCK_N2=32)  # the dQ kernel's tiles (fixed in atomic mode)
-        return Variant.of(op, dict(tiles, num_warps=4, num_stages=2 if dtype == "float32" else 3, GRID_ORDER="kv_major"))
+        return Variant.of(op, dict(tiles, num_warps=4, num_stages=2 if dtype == "float32" else 3,
+                                   GRID_ORDER="kv_major"))
     if op != "fwd":
         raise ValueError(f"no default variant for op {op!r}")
     if head_dim <= 64:

@@ -141,15 +141,17 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, signature: tuple | No
         if len(dispatcher.inference_calls) > 4096:  # many distinct signatures: stay bounded
             dispatcher.inference_calls.clear()
         # lse is discarded by inference calls: this call's buffer becomes the signature's scratch.
-        dispatcher.inference_calls[signature] = (dispatcher.module_for(q, k, v, out, causal), lse, sm_scale)
+        dispatcher.inference_calls[signature] = (dispatcher.module_for(q, k, v, out, causal), lse, sm_scale,
+                                                 causal_offset)
     return out
 
 
-def _signature(q, k, v, causal: bool, scale, enable_gqa: bool) -> tuple:
-    """Everything validation and kernel choice depend on, for a (B, H, N, D) call with no mask,
-    no dropout and causal_offset 0. Raises AttributeError for non-tensors."""
+def _signature(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0) -> tuple:
+    """Everything validation and kernel choice depend on, for a (B, H, N, D) call (views of
+    flash_attn_func's tensors included) with no mask and no dropout. Raises AttributeError for
+    non-tensors."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, causal, scale, enable_gqa,
+            q.device, k.device, v.device, causal, scale, enable_gqa, causal_offset,
             not ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15))
 
 
@@ -161,7 +163,7 @@ def _memoizable(q, scale) -> bool:
     return getattr(q, "is_cuda", False) or interpreter_enabled()
 
 
-def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool):
+def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0):
     """The host fast path: an inference call whose exact signature was validated before launches
     its kernel directly (no validation, no dispatcher lookup, a reused lse scratch). None when the
     call is new, differentiable or being traced by torch.compile: the full path handles those."""
@@ -172,16 +174,16 @@ def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool):
     try:
         if _needs_op(q, k, v):
             return None
-        entry = get_dispatcher().inference_calls.get(_signature(q, k, v, causal, scale, enable_gqa))
+        entry = get_dispatcher().inference_calls.get(_signature(q, k, v, causal, scale, enable_gqa, causal_offset))
     except AttributeError:  # not tensors: the full path raises the proper ValueError
         return None
     if entry is None:
         return None
-    module, lse, sm_scale = entry
-    out = torch.empty_like(q)
+    module, lse, sm_scale, causal_offset = entry
+    out = torch.empty_like(q)  # q's memory layout, as forward_with_lse
     if module.LOADS == "tma":
         ensure_allocator()
-    module.launch(q, k, v, out, lse, sm_scale, causal, 0)
+    module.launch(q, k, v, out, lse, sm_scale, causal, causal_offset)
     return out
 
 
@@ -256,10 +258,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), contiguous.
     """
+    if not dropout_p and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
+        out = _repeat_inference_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal,
+                                     softmax_scale, True, k.shape[1] - q.shape[1])
+        if out is not None:
+            return out.transpose(1, 2).contiguous()
     layout = "(batch, seqlen, heads, head_dim)"
     _validate(q, k, v, ("q", "k", "v"), layout)
     _check_heads(q.shape[2], k.shape[2], True, "q", "k")
-    # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     offset = k.shape[1] - q.shape[1]
     reason = _unsupported_reason(qt, kt, vt, None, dropout_p, softmax_scale)
@@ -268,4 +275,5 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
         return _sdpa_fallback(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()
     # The kernels write the output in q's memory layout, so (B, N, H, D) inputs give a
     # (B, N, H, D) result with no copy.
-    return _run(qt, kt, vt, causal, offset, softmax_scale).transpose(1, 2).contiguous()
+    signature = _signature(qt, kt, vt, causal, softmax_scale, True, offset) if _memoizable(qt, softmax_scale) else None
+    return _run(qt, kt, vt, causal, offset, softmax_scale, signature).transpose(1, 2).contiguous()

@@ -247,6 +247,28 @@ def test_repeated_inference_calls_take_the_fast_path_and_stay_correct(strict):
 
 
 @pytest.mark.interpreter
+def test_flash_attn_func_repeats_take_the_fast_path_with_bottom_right_causality(strict):
+    from autoflash.dispatch import get_dispatcher
+
+    calls = get_dispatcher().inference_calls
+    calls.clear()
+    for seed in range(3):  # Nq < Nk, GQA 4/2, (B, N, H, D): same signature, new data each time
+        q = rand(2, 29, 4, 32, dtype=torch.float16, seed=seed)
+        k, v = (rand(2, 45, 2, 32, dtype=torch.float16, seed=seed + s) for s in (10, 20))
+        out = autoflash.flash_attn_func(q, k, v, causal=True)
+        assert len(calls) == 1 and out.shape == q.shape and out.is_contiguous()
+        ref, _ = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, 45 - 29, 1 / math.sqrt(32))
+        assert rel_error(out.transpose(1, 2), ref) <= TOL[torch.float16]
+    # The same (B, H, N, D) views through `attention` mean top-left causality: their own entry.
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = autoflash.attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    assert len(calls) == 2
+    assert rel_error(out, reference(qt, kt, vt, True, 0, 1 / math.sqrt(32))[0]) <= TOL[torch.float16]
+    with pytest.raises(ValueError, match="q must be a torch.Tensor"):
+        autoflash.flash_attn_func([1.0], k, v, causal=True)
+
+
+@pytest.mark.interpreter
 def test_fast_path_never_skips_validation_autograd_or_fallbacks(strict):
     from autoflash.dispatch import get_dispatcher
 

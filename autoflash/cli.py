@@ -513,7 +513,7 @@ def db_list(db_file, gpu, op, head_dim):
     rows = [r for r in store.winners(op=op, head_dim=head_dim) if not gpu or gpu.lower() in r["gpu_key"].lower()]
     t = Table(title=f"winners in {path}")
     for col in ("gpu", "problem", "variant", "TFLOP/s", "spread", "trials"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # wrap long keys whole, never cut them off
     for r in rows:
         from autoflash.space import Variant
 

@@ -82,13 +82,21 @@ class Variant:
         return Variant.of(self.op, {**self.as_dict(), **changes})
 
     def short(self) -> str:
+        """Compact, for tables: tiles, warps, stages, then the other knobs' values (a true flag by
+        its name, a false one left out), e.g. '128x64 w8 s3 m_major ascending tma split' or
+        '64x64/128x32 w4 s2 separate kv_major' (dK/dV tile / dQ tile; no dQ tile when atomic)."""
         d = self.as_dict()
-        if "BLOCK_M" not in d:
+        if "BLOCK_M" in d:
+            tiles = f"{d['BLOCK_M']}x{d['BLOCK_N']}"
+        elif "BLOCK_M1" in d:
+            tiles = f"{d['BLOCK_M1']}x{d['BLOCK_N1']}"
+            if d.get("DQ_MODE") != "atomic":
+                tiles += f"/{d['BLOCK_M2']}x{d['BLOCK_N2']}"
+        else:
             return " ".join(f"{k}={v}" for k, v in d.items())
-        head = f"{d.get('BLOCK_M')}x{d.get('BLOCK_N')} w{d.get('num_warps')} s{d.get('num_stages')}"
-        rest = " ".join(f"{k}={v}" for k, v in d.items()
-                        if k not in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
-        return f"{head} {rest}"
+        shown = {"BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"}
+        rest = [k if v is True else str(v) for k, v in d.items() if k not in shown and v is not False]
+        return " ".join([tiles, f"w{d.get('num_warps')}", f"s{d.get('num_stages')}", *rest])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,3 +135,12 @@ def test_heavy_first_is_offered_for_causal_problems_only():
         orders = {c: {v["GRID_ORDER"] for v in space.valid_variants(Problem(op, "float16", 64, c, 1, 1024, 1024), dev)}
                   for c in (False, True)}
         assert "heavy_first" in orders[True] and "heavy_first" not in orders[False]
+
+
+def test_short_names_tell_every_valid_variant_apart():
+    from autoflash.problem import Problem, gpu_fingerprint
+
+    for op in ("fwd", "bwd"):
+        valid = load_space(op).valid_variants(Problem(op, "float16", 64, True, 1, 1024, 1024), gpu_fingerprint())
+        names = {v.short() for v in valid}
+        assert len(names) == len(valid)

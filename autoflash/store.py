@@ -17,6 +17,7 @@ import datetime as _dt
 import json
 import os
 import pathlib
+import socket
 import sqlite3
 import time
 from typing import Iterable
@@ -66,7 +67,15 @@ def _m001_initial(db: sqlite_utils.Database) -> None:
         if_not_exists=True)
 
 
-MIGRATIONS = [("001_initial", _m001_initial)]
+def _m002_run_process(db: sqlite_utils.Database) -> None:
+    """Which process ran a run (host, pid): a run left 'running' by a killed process can be told
+    from one still going. Additive: older readers ignore the columns."""
+    for column, kind in (("host", str), ("pid", int)):
+        if column not in db["runs"].columns_dict:
+            db["runs"].add_column(column, kind)
+
+
+MIGRATIONS = [("001_initial", _m001_initial), ("002_run_process", _m002_run_process)]
 
 
 def _apply_migrations(db: sqlite_utils.Database) -> None:
@@ -144,8 +153,24 @@ class Store:
             with self.db.conn:
                 return self.db["runs"].insert({"gpu_key": gpu_key, "started_at": now(), "finished_at": None,
                                                "status": "running", "command": command, "problems": 0,
-                                               "trials": 0}).last_pk
+                                               "trials": 0, "host": socket.gethostname(),
+                                               "pid": os.getpid()}).last_pk
         return self._retry(insert)
+
+    def mark_dead_runs(self) -> int:
+        """Runs still 'running' whose process on this host is gone (killed, crashed) become
+        'interrupted'; their trials and winners stay. Runs of other hosts are left as they are."""
+        host, dead = socket.gethostname(), []
+        for row in self.db["runs"].rows_where("status = 'running' and host = ?", [host]):
+            try:
+                os.kill(row["pid"], 0)
+            except ProcessLookupError:
+                dead.append(row["id"])
+            except (PermissionError, TypeError, OverflowError):  # alive (another user's) or no pid
+                continue
+        for run_id in dead:
+            self._retry(lambda: self.db["runs"].update(run_id, {"status": "interrupted"}))
+        return len(dead)
 
     def finish_run(self, run_id: int, status: str, problems: int, trials: int) -> None:
         self._retry(lambda: self.db["runs"].update(run_id, {"finished_at": now(), "status": status,

@@ -128,6 +128,7 @@ class Tuner:
         if os.environ.get("AUTOFLASH_KERNEL_CACHE"):
             env["AUTOFLASH_KERNEL_CACHE"] = os.environ["AUTOFLASH_KERNEL_CACHE"]
         self.gpu_key = store.add_gpu(self.device)
+        store.mark_dead_runs()  # runs a kill left 'running' (their trials are kept and resumed)
         self.run_id = store.start_run(self.gpu_key, command)
         self.sandbox = measure.Sandbox(self.device_str, env)
         self.compilers = None if options.interpret else _WorkerPool(options.compile_workers, self.device_str, env)

@@ -28,11 +28,31 @@ def test_schema_and_migrations(tmp_path):
     store = Store(path)
     assert {"gpus", "runs", "trials", "winners", "_meta", "_migrations"} <= set(store.db.table_names())
     assert store.db.execute("select value from _meta where key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
-    assert [r["name"] for r in store.db["_migrations"].rows] == ["001_initial"]
+    assert [r["name"] for r in store.db["_migrations"].rows] == ["001_initial", "002_run_process"]
     assert store.db.execute("pragma journal_mode").fetchone()[0] == "wal"
     store.close()
     Store(path).close()  # re-opening applies nothing twice
-    assert [r["name"] for r in Store(path).db["_migrations"].rows] == ["001_initial"]
+    assert [r["name"] for r in Store(path).db["_migrations"].rows] == ["001_initial", "002_run_process"]
+
+
+def test_a_db_made_before_a_migration_gets_it_and_keeps_its_rows(tmp_path):
+    """A DB made by an earlier autoflash (only 001) opens, gains the run columns, loses nothing."""
+    import sqlite3
+
+    import sqlite_utils
+
+    from autoflash.store import _m001_initial
+
+    path = tmp_path / "old.db"
+    db = sqlite_utils.Database(sqlite3.connect(path))
+    _m001_initial(db)
+    db["_migrations"].insert({"name": "001_initial", "applied_at": "then"}, pk="name")
+    db["_meta"].insert({"key": "schema_version", "value": "1"}, pk="key")
+    db["runs"].insert({"id": 1, "gpu_key": "g", "status": "finished", "command": "autoflash tune"})
+    db.close()
+    store = Store(path)
+    assert {"host", "pid"} <= set(store.db["runs"].columns_dict)
+    assert [r["command"] for r in store.db["runs"].rows] == ["autoflash tune"]
 
 
 def test_winner_upsert_keeps_one_row_per_key(tmp_path):
@@ -102,3 +122,22 @@ def test_opens_in_sqlite_utils_cli(tmp_path):
     add_trials(path, 3, "x")
     out = subprocess.run([exe, "tables", str(path), "--counts"], capture_output=True, text=True, check=True).stdout
     assert '"table": "trials", "count": 3' in out
+
+
+def test_runs_left_running_by_a_dead_process_are_marked_interrupted(tmp_path):
+    import subprocess
+    import sys
+
+    from autoflash.store import Store
+
+    store = Store(tmp_path / "r.db")
+    alive = store.start_run("gpu", "this process")  # our own pid: alive, left alone
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = store.start_run("gpu", "a killed tune")
+    store.db["runs"].update(dead, {"pid": int(gone.stdout)})
+    other_host = store.start_run("gpu", "elsewhere")
+    store.db["runs"].update(other_host, {"host": "another-machine", "pid": int(gone.stdout)})
+    assert store.mark_dead_runs() == 1
+    status = {r["id"]: r["status"] for r in store.db["runs"].rows}
+    assert status == {alive: "running", dead: "interrupted", other_host: "running"}

@@ -192,7 +192,9 @@ def test_winner_of_an_earlier_template_seeds_the_search(tmp_path):
     del old["GRID_ORDER"]  # say the earlier template had no such knob
     store.set_winner(gpu_key=gpu_key, problem=TINY.problem, template_hash="0123456789abcdef",
                      variant_json=json.dumps(old), median_ms=1.0, spread=0.0, tflops=1.0, trials=1)
-    tune([TINY], store, TuneOptions(trials=8, interpret=True))
+    tune([TINY], store, TuneOptions(trials=16, interpret=True))
     tried = [json.loads(r["variant"]) for r in store.db["trials"].rows_where(order_by="id")]
-    assert tried[0] == tiny_default().as_dict()
-    assert tried[1] == dict(old, GRID_ORDER=tiny_default()["GRID_ORDER"])
+    carried = dict(old, GRID_ORDER=tiny_default()["GRID_ORDER"])
+    assert tried[0] == tiny_default().as_dict() and tried[1] == carried
+    # TINY is causal: the same two with their heaviest programs first come next.
+    assert tried[2:4] == [dict(tiny_default().as_dict(), GRID_ORDER="heavy_first"), dict(carried, GRID_ORDER="heavy_first")]

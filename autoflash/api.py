@@ -116,11 +116,13 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
     return out, lse
 
 
+def _needs_autograd(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _needs_op(q, k, v) -> bool:
     """Autograd or torch.compile need the registered custom op; plain inference calls skip its overhead."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return torch.compiler.is_compiling() or _needs_autograd(q, k, v)
 
 
 def _run(q, k, v, causal: bool, causal_offset: int, scale, signature: tuple | None = None):
@@ -172,7 +174,7 @@ def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causa
     from autoflash.dispatch import ensure_allocator, get_dispatcher
 
     try:
-        if _needs_op(q, k, v):
+        if _needs_autograd(q, k, v):  # (tracing by torch.compile was ruled out by _memoizable)
             return None
         entry = get_dispatcher().inference_calls.get(_signature(q, k, v, causal, scale, enable_gqa, causal_offset))
     except AttributeError:  # not tensors: the full path raises the proper ValueError

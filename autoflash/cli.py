@@ -103,6 +103,17 @@ def render(op, dtype, head_dim, causal, variant_json):
     click.echo(codegen.render(variant), nl=False)
 
 
+def _use_interpreter() -> None:
+    """Run kernels in Triton's CPU interpreter from here on (set before any kernel module loads);
+    the GPU fingerprint becomes the interpreter's."""
+    import os
+
+    from autoflash.problem import gpu_fingerprint
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    gpu_fingerprint.cache_clear()
+
+
 def _require_gpu(what: str, hint: str = "") -> None:
     import torch
 
@@ -140,13 +151,9 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, o
     Example: git show HEAD~1:templates/attn_fwd.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja
     """
     import dataclasses
-    import os
 
     if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-        from autoflash.problem import gpu_fingerprint
-
-        gpu_fingerprint.cache_clear()
+        _use_interpreter()
         shapes = "tiny" if shapes == "standard" else shapes
         if fwdbwd or overhead or llama:
             raise click.ClickException("--fwdbwd, --overhead and --llama need a CUDA GPU")
@@ -314,7 +321,6 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
     Example: autoflash tune --budget 15
     """
     import dataclasses
-    import os
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -327,8 +333,7 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
     if unknown or not op_list:
         raise click.ClickException(f"unknown op(s) {unknown or ops!r}: choose from fwd, bwd")
     if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-        gpu_fingerprint.cache_clear()
+        _use_interpreter()
     else:
         _require_gpu("autoflash tune", " Use --interpret to run the whole pipeline on tiny shapes in "
                      "Triton's CPU interpreter (correctness is real, timings are not GPU performance).")
@@ -456,11 +461,10 @@ def which(shapes, op, interpret):
     Example: autoflash which --shapes standard
     """
     import dataclasses
-    import os
     from pathlib import Path
 
     if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
+        _use_interpreter()
     from autoflash.dispatch import get_dispatcher
     from autoflash.problem import gpu_fingerprint, load_shape_set
 

@@ -113,8 +113,7 @@ class WinnerTable:
         from autoflash import resources
         from autoflash.store import default_db_path
 
-        shipped = sorted(resources.data_dir("cache").glob("*.db"))
-        return [default_db_path(), *shipped]
+        return [default_db_path(), *resources.shipped_databases()]
 
     def _load(self, path) -> None:
         from autoflash.store import Store, StoreError

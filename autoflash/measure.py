@@ -269,6 +269,13 @@ class Outcome:
 _gate_cache: dict = {}
 
 
+def _declared_variant(op: str, variant_json: str) -> Variant:
+    """A variant sent to a worker as JSON, checked against the declared space before rendering."""
+    from autoflash.space import load_space, parse_variant_json
+
+    return load_space(op).check_declared(parse_variant_json(op, variant_json))
+
+
 def ping() -> dict:
     """A no-op task that makes a fresh worker import torch and create its CUDA context."""
     if torch.cuda.is_available() and not interpreter_enabled():
@@ -279,10 +286,8 @@ def ping() -> dict:
 def evaluate_variant(variant_json: str, op: str, shape: Shape, rep_ms: float, device_str: str) -> Outcome:
     """Compile, gate and time one variant in this process (the worker's body)."""
     from autoflash import codegen
-    from autoflash.space import Variant, load_space, parse_variant_json
-
     t0 = time.perf_counter()
-    variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, variant_json)).as_dict())
+    variant = _declared_variant(op, variant_json)
     device = torch.device(device_str)
     # The gate's inputs depend only on these, not on the timing shape's lengths: problems that
     # differ only in seqlen bucket share one gate result per variant within a worker.
@@ -318,10 +323,8 @@ def compile_variant(variant_json: str, op: str, shape: Shape, rep_ms: float, dev
     """Build a variant's binaries for the gate's and the timing's argument types, without launching
     (run in parallel on the CPU cores while another process measures on the GPU)."""
     from autoflash import codegen
-    from autoflash.space import Variant, load_space, parse_variant_json
-
     t0 = time.perf_counter()
-    variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, variant_json)).as_dict())
+    variant = _declared_variant(op, variant_json)
     try:
         module = codegen.load(variant)
         if device_str != "cpu":  # the interpreter has nothing to compile
@@ -348,8 +351,6 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
     """Interleaved re-measurement: each round times every method once. A method is a variant JSON
     or 'sdpa_cudnn' / 'sdpa_flash'. Returns {method: [ms per round]} (NaN where a method refused)."""
     from autoflash import codegen
-    from autoflash.space import Variant, load_space, parse_variant_json
-
     device = torch.device(device_str)
     q, k, v = make_inputs(shape, device, seed=99)
     fns = {}
@@ -358,8 +359,7 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
             if device.type == "cuda":
                 fns[m] = sdpa_callable(m[5:], shape, q, k, v, backward=(op == "bwd"))
             continue
-        variant = Variant.of(op, load_space(op).check_declared(parse_variant_json(op, m)).as_dict())
-        fns[m] = launch_callable(codegen.load(variant), shape, q, k, v, 0)
+        fns[m] = launch_callable(codegen.load(_declared_variant(op, m)), shape, q, k, v, 0)
     samples = {m: [] for m in methods}
     for _ in range(rounds):
         for m in methods:

@@ -27,3 +27,8 @@ def read_text(folder: str, name: str) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"autoflash data file {folder}/{name} not found (looked in {path.parent})")
     return path.read_text(encoding="utf-8")
+
+
+def shipped_databases() -> list[pathlib.Path]:
+    """The pre-tuned winner DBs shipped in cache/, in a fixed order."""
+    return sorted(data_dir("cache").glob("*.db"))

@@ -231,7 +231,7 @@ class Tuner:
         seeds = [default]
         space = load_space(problem.op)
         rows = self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim)
-        for path in sorted(resources.data_dir("cache").glob("*.db")):
+        for path in resources.shipped_databases():
             try:
                 shipped = Store(path, readonly=True)
                 try:

@@ -27,17 +27,21 @@ def default_variant(op: str, dtype: str, head_dim: int, has_tma: bool) -> Varian
     """The built-in variant used when nothing is tuned for a problem: choices measured on an H200
     (docs/results/) that pass the correctness gate there."""
     if op == "bwd":
-        # Gated winners of the H200 backward tuning (docs/results/2026-11-30-h200-backward.md). Not
-        # 32x128 dK/dV tiles: pipelined 2+ stages deep, Triton 3.6 computes a wrong dK with them there.
+        # Gated winners of the H200 backward tuning (docs/results/). Not 32-row dK/dV query tiles
+        # pipelined 2+ stages deep with a separate dQ: Triton 3.6 computes a wrong dK with them there.
         if head_dim <= 64:
-            tiles = dict(BLOCK_M1=64, BLOCK_N1=128, DQ_MODE="atomic")
+            tiles = dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=64, BLOCK_N2=32, DQ_MODE="atomic", num_stages=3,
+                         LOADS="pointer")  # (TMA measured slower with the atomic dQ)
         elif head_dim <= 128:
-            tiles = dict(BLOCK_M1=32, BLOCK_N1=64, DQ_MODE="atomic")
+            # Best or within 2% of it at d128 on the H200 (causal and not, 2k-16k, MHA and GQA).
+            tiles = dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, DQ_MODE="separate", num_stages=2,
+                         LOADS="tma" if has_tma else "pointer")
         else:  # accumulators of 256 columns: small tiles, and a separate dQ kernel
-            tiles = dict(BLOCK_M1=32, BLOCK_N1=64, DQ_MODE="separate")
-        tiles.update(BLOCK_M2=64, BLOCK_N2=32)  # the dQ kernel's tiles (fixed in atomic mode)
-        return Variant.of(op, dict(tiles, num_warps=4, num_stages=2 if dtype == "float32" else 3,
-                                   GRID_ORDER="kv_major"))
+            tiles = dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, DQ_MODE="separate", num_stages=3,
+                         LOADS="pointer")
+        if dtype == "float32":
+            tiles["num_stages"] = 2
+        return Variant.of(op, dict(tiles, num_warps=4, GRID_ORDER="kv_major"))
     if op != "fwd":
         raise ValueError(f"no default variant for op {op!r}")
     if head_dim <= 64:
@@ -244,7 +248,8 @@ class Dispatcher:
 
     def module_for(self, q, k, v, o, causal: bool, op: str = "fwd"):
         """The compiled kernel module for these tensors. Hot path: one dict lookup keyed by exact
-        shapes, strides and 16-byte alignment; everything else happens once per key."""
+        shapes, strides and 16-byte alignment; everything else happens once per key.
+        o: the fourth tensor a TMA variant reads or writes: the output (fwd), dO (bwd)."""
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
         key = (op, causal, q.dtype, q.device, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(),
                aligned)
@@ -272,7 +277,9 @@ class Dispatcher:
         module.launch(q, k, v, o, lse, sm_scale, causal, causal_offset)
 
     def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
-        module = self.module_for(q, k, v, o, causal, op="bwd")
+        module = self.module_for(q, k, v, do, causal, op="bwd")
+        if module.LOADS == "tma":
+            ensure_allocator()
         module.launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset)
 
 

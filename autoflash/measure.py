@@ -117,16 +117,21 @@ def gate_shapes(shape: Shape) -> list[Shape]:
     return [Shape(batch=b, seqlen_q=nq, seqlen_k=nk, **base) for b, nq, nk in sizes]
 
 
-def run_variant(module, q, k, v, causal: bool, causal_offset: int, scale: float):
-    """Launch one compiled variant on (B,H,N,D) inputs; returns (out, lse) (poisoned first)."""
+def prepare_tma(module, *tensors) -> None:
+    """A TMA variant needs TMA-compatible tensors and Triton's descriptor scratch allocator."""
     from autoflash.dispatch import ensure_allocator, tma_compatible
 
-    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
     if module.LOADS == "tma":
-        if not tma_compatible(q, k, v, out):
+        if not tma_compatible(*tensors):
             raise ValueError("inputs are not TMA-compatible for a TMA variant")
         ensure_allocator()
+
+
+def run_variant(module, q, k, v, causal: bool, causal_offset: int, scale: float):
+    """Launch one compiled variant on (B,H,N,D) inputs; returns (out, lse) (poisoned first)."""
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
+    prepare_tma(module, q, k, v, out)
     module.launch(q, k, v, out, lse, scale, causal, causal_offset)
     return out, lse
 
@@ -198,6 +203,7 @@ def check_backward(module, shape: Shape, device, seed: int = 0) -> GateResult:
         scale = 1.0 / math.sqrt(gs.head_dim)
         out, lse = _forward_for_backward(q, k, v, gs.causal, off, scale)
         grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        prepare_tma(module, q, k, v, grad)
         module.launch(q, k, v, out, lse, grad, *grads, scale, gs.causal, off)
         refs = reference_grads(q, k, v, grad, gs.causal, off, scale)
         theirs = _sdpa_grads(q, k, v, grad, gs.causal, off, scale)
@@ -236,13 +242,11 @@ def launch_callable(module, shape: Shape, q, k, v, off: int):
         grad = make_inputs(shape, q.device, seed=4321)[0]
         out, lse = _forward_for_backward(q, k, v, shape.causal, off, scale)
         grads = [torch.empty_like(t) for t in (q, k, v)]
+        prepare_tma(module, q, k, v, grad)
         return lambda: module.launch(q, k, v, out, lse, grad, *grads, scale, shape.causal, off)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    if module.LOADS == "tma":
-        from autoflash.dispatch import ensure_allocator
-
-        ensure_allocator()
+    prepare_tma(module, q, k, v, out)
     return lambda: module.launch(q, k, v, out, lse, scale, shape.causal, off)
 
 

@@ -1,5 +1,5 @@
 """Backward kernels under TRITON_INTERPRET=1: dQ, dK, dV vs float64 autograd of the reference,
-for each structural variant (separate dQ kernel, atomic dQ), fp32 and fp16, on ragged, GQA,
+for each structural variant (separate dQ kernel, atomic dQ; pointer and TMA loads), fp32 and fp16, on ragged, GQA,
 causal (both alignments), Nq != Nk shapes."""
 
 import math
@@ -37,7 +37,9 @@ def sample():
         valid = space.valid_variants(Problem("bwd", "float16", d, causal, hq // hkv, 64, 64), device)
         mode = "separate" if i % 2 == 0 else "atomic"
         order = "heavy_first" if causal and i % 4 < 2 else "kv_major"
-        picked.append((rng.choice([v for v in valid if v["DQ_MODE"] == mode and v["GRID_ORDER"] == order]), case))
+        loads = "tma" if i % 3 == 0 else "pointer"
+        picked.append((rng.choice([v for v in valid if v["DQ_MODE"] == mode and v["GRID_ORDER"] == order
+                                   and v["LOADS"] == loads]), case))
     return picked
 
 
@@ -74,6 +76,8 @@ def test_sample_covers_every_structural_choice():
     assert {v["DQ_MODE"] for v, _ in SAMPLE} == {"separate", "atomic"}
     assert {(v["DQ_MODE"], v["GRID_ORDER"]) for v, _ in SAMPLE} == {
         (m, o) for m in ("separate", "atomic") for o in ("kv_major", "heavy_first")}
+    assert {(v["DQ_MODE"], v["LOADS"]) for v, _ in SAMPLE} == {
+        (m, l) for m in ("separate", "atomic") for l in ("pointer", "tma")}
 
 
 # Masked-out keys overflow exp2 before the mask zeroes them: that is the case under test.

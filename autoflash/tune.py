@@ -135,7 +135,8 @@ class Tuner:
         self.journal = optuna.storages.JournalStorage(
             optuna.storages.journal.JournalFileBackend(optuna_storage_path(store.path)))
         self.total_measured = 0
-        # Workers start before the first problem's clock: their start-up is not any problem's budget.
+        # Workers start before the first problem's clock (start-up is not charged to one problem;
+        # `tune` charges it to the run's budget, which it then splits over the problems).
         self.sandbox.call(measure.ping, (), options.trial_timeout_s)
         if self.compilers:
             self.compilers.start(options.trial_timeout_s)
@@ -469,10 +470,10 @@ def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Repo
          command: str = "") -> list[ProblemResult]:
     """Tune every problem of `shapes`; returns one result per problem. Safe to interrupt and re-run."""
     reporter = reporter or Reporter()
+    start = time.monotonic()  # the budget covers the whole run, the workers' start-up included
     tuner = Tuner(store, options, reporter=reporter, command=command)
     todo = representative_shapes(shapes)
     results: list[ProblemResult] = []
-    start = time.monotonic()
     status = "interrupted"
     try:
         for i, shape in enumerate(todo):

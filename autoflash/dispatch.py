@@ -243,7 +243,9 @@ class Dispatcher:
                          device.name)
             preferred = default_variant(problem.op, problem.dtype, problem.head_dim, device.cc_major >= 9)
         if preferred.as_dict().get("LOADS") == "tma" and not tma_ok:
-            preferred = preferred.replace(LOADS="pointer", WARP_SPECIALIZE=False)
+            # (warp specialization is offered only with TMA loads; the backward has no such knob)
+            no_ws = {"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in preferred.as_dict() else {}
+            preferred = preferred.replace(LOADS="pointer", **no_ws)
         return nearest_valid(preferred, problem, device)
 
     def module_for(self, q, k, v, o, causal: bool, op: str = "fwd"):

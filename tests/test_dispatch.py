@@ -166,3 +166,28 @@ def test_backward_winner_is_served_through_autograd(tmp_path, monkeypatch):
     assert any(m is codegen.load(winner) for m in dispatcher._table.values())
     for mine, ref in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, grad, True, 0, 32 ** -0.5)):
         assert rel_error(mine, ref) < 1e-4
+
+
+@pytest.mark.interpreter
+def test_backward_reads_grad_out_through_tma_only_when_it_can(monkeypatch):
+    """The d128-class backward default loads dO through TMA descriptors, which need a unit last
+    stride: a dO without one gets the pointer-load twin (the choice is keyed on dO, not on O), and
+    both calls give the right gradients."""
+    import autoflash
+    import autoflash.dispatch
+    from autoflash.measure import reference_grads
+
+    assert default_variant("bwd", "float32", 96, True)["LOADS"] == "tma"
+    dispatcher = Dispatcher([])  # no DBs: the built-in defaults
+    monkeypatch.setattr(autoflash.dispatch, "_dispatcher", dispatcher)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 96, generator=g).requires_grad_() for _ in range(3))
+    strided = torch.randn(1, 2, 40, 2 * 96, generator=g)[..., ::2]  # last stride 2
+    for grad, loads in ((strided, "pointer"), (strided.contiguous(), "tma")):
+        for t in (q, k, v):
+            t.grad = None
+        autoflash.attention(q, k, v, is_causal=True).backward(grad)
+        served = [m.LOADS for key, m in dispatcher._table.items() if key[0] == "bwd"]
+        assert served[-1] == loads
+        for mine, ref in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, grad, True, 0, 96 ** -0.5)):
+            assert rel_error(mine, ref) < 1e-4

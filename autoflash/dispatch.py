@@ -33,7 +33,8 @@ def default_variant(op: str, dtype: str, head_dim: int, has_tma: bool) -> Varian
             tiles = dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=64, BLOCK_N2=32, DQ_MODE="atomic", num_stages=3,
                          LOADS="pointer")  # (TMA measured slower with the atomic dQ)
         elif head_dim <= 128:
-            # Best or within 2% of it at d128 on the H200 (causal and not, 2k-16k, MHA and GQA).
+            # The tuned winner of every d128 MHA backward problem on the H200 (1k-16k, causal and not);
+            # the causal GQA problem's winner is its heavy_first twin (docs/results/).
             tiles = dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, DQ_MODE="separate", num_stages=2,
                          LOADS="tma" if has_tma else "pointer")
         else:  # accumulators of 256 columns: small tiles, and a separate dQ kernel

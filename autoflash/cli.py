@@ -390,11 +390,14 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
 
     Example: autoflash search-quality --db docs/results/2026-11-30-h200-sweep-d64.db
     """
+    import statistics
+
     from autoflash.problem import GPUFingerprint
     from autoflash.store import Store
     from autoflash.tune import search_quality
 
     store = Store(db_path, readonly=True)
+    gpu_columns = [d[0] for d in store.db.execute("select * from gpus limit 0").description]
     keys = [problem_key] if problem_key else [r[0] for r in store.db.execute("select distinct problem from trials")]
     t = Table(title=f"search quality: trials to come within {tolerance:.0%} of the exhaustive best")
     for col in ("problem", "variants", "within tol.", "default/best", "TPE per seed", "TPE median", "random median"):
@@ -405,14 +408,11 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
             "where t.problem = ? and t.status = 'ok'", [key]))
         if not rows:
             continue
-        cols = [d[0] for d in store.db.execute("select * from gpus limit 0").description]
-        g = dict(zip(cols, rows[0][2:]))
+        g = dict(zip(gpu_columns, rows[0][2:]))
         device = GPUFingerprint(**{k: g[k] for k in GPUFingerprint.__dataclass_fields__})
         table = {r[0]: r[1] for r in rows}
         q = search_quality(table, Problem.from_key(key), device, seeds, min(trials, len(table)), tolerance)
         found = [x for x in q["tpe"] if x is not None]
-        import statistics
-
         t.add_row(key, str(q["space"]), str(q["within_tolerance"]),
                   f"{q['default_ms'] / q['best_ms']:.3f}" if q["default_ms"] else "-",
                   ", ".join(str(x) if x else "not found" for x in q["tpe"]),
@@ -435,7 +435,8 @@ def info():
     for k, v in device.as_dict().items():
         t.add_row(k, str(v))
     t.add_row("gpu key", device.key)
-    t.add_row("template hash (fwd)", codegen.template_hash("fwd"))
+    for op in ("fwd", "bwd"):
+        t.add_row(f"template hash ({op})", codegen.template_hash(op))
     t.add_row("kernel cache", str(codegen.kernel_cache_dir()))
     paths = WinnerTable.default_paths()
     for i, path in enumerate(paths):
@@ -518,9 +519,9 @@ def db_list(db_file, gpu, op, head_dim):
     t = Table(title=f"winners in {path}")
     for col in ("gpu", "problem", "variant", "TFLOP/s", "spread", "trials"):
         t.add_column(col, overflow="fold")  # wrap long keys whole, never cut them off
-    for r in rows:
-        from autoflash.space import Variant
+    from autoflash.space import Variant
 
+    for r in rows:
         variant = Variant.of(r["op"], json.loads(r["variant"])).short() if r["variant"].startswith("{") else r["variant"]
         t.add_row(r["gpu_key"].split("|")[0], r["problem"], variant, f"{r['tflops'] or float('nan'):.1f}",
                   f"{(r['spread'] or 0) * 100:.1f}%", str(r["trials"]))
@@ -543,17 +544,17 @@ def db_plot(db_file, gpu, op, output):
     from autoflash.problem import Shape
 
     store = _open_store(db_file, readonly=True)
-    rows = []
+    rows, gpu_name = [], None
     for w in store.winners(op=op):
         if (gpu and gpu.lower() not in w["gpu_key"].lower()) or not w["shape"]:
             continue
+        gpu_name = gpu_name or w["gpu_key"].split("|")[0]
         ms = {"tuned": w["median_ms"], "default": w["default_ms"], "sdpa_cudnn": w["sdpa_cudnn_ms"],
               "sdpa_flash": w["sdpa_flash_ms"]}
         rows.append(bench_mod.BenchRow(Shape(**json.loads(w["shape"])), {k: v if v else float("nan") for k, v in ms.items()}))
     if not rows:
         raise click.ClickException(f"no {op} winners with measurements in {store.path}")
     rows.sort(key=lambda r: (r.shape.head_dim, r.shape.causal, r.shape.seqlen_q))
-    gpu_name = store.winners(op=op)[0]["gpu_key"].split("|")[0]
     bench_mod.plot(rows, ["tuned", "default", "sdpa_cudnn", "sdpa_flash"], output,
                    f"{op} TFLOP/s of stored winners on {gpu_name}")
     console.print(f"plot of {len(rows)} winners saved to {output}")

@@ -132,12 +132,9 @@ class WinnerTable:
                 rows = store.winners(self.device.key)
             finally:
                 store.close()
-        except (StoreError, OSError, ValueError) as e:
-            warnings.warn(f"autoflash: ignoring results DB {path}: {e}", RuntimeWarning, stacklevel=2)
-            return
-        except Exception as e:  # sqlite3 errors of a damaged file: never break the caller's model
-            warnings.warn(f"autoflash: ignoring results DB {path}: {type(e).__name__}: {e}", RuntimeWarning,
-                          stacklevel=2)
+        except Exception as e:  # ours, or sqlite3's for a damaged file: never break the caller's model
+            detail = str(e) if isinstance(e, (StoreError, OSError, ValueError)) else f"{type(e).__name__}: {e}"
+            warnings.warn(f"autoflash: ignoring results DB {path}: {detail}", RuntimeWarning, stacklevel=2)
             return
         for row in rows:
             if row["problem"] in self.rows:

@@ -229,12 +229,16 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         scale: softmax scale, default 1/sqrt(headdim)
         enable_gqa: allow nheads_kv < nheads (grouped-query attention)
     Returns:
-        (batch_size, nheads, seqlen_q, headdim), contiguous, dtype of query.
+        (batch_size, nheads, seqlen_q, headdim), dtype of query, in query's memory layout: a
+        query that is a (batch, seqlen, heads, headdim) tensor seen through `.transpose(1, 2)`, as
+        attention layers make them, gives an output laid out the same way, so the usual
+        `out.transpose(1, 2).reshape(batch, seqlen, -1)` copies nothing (torch SDPA's CUDA
+        backends do not return contiguous outputs either).
     """
     if attn_mask is None and not dropout_p:
         out = _repeat_inference_call(query, key, value, is_causal, scale, enable_gqa)
         if out is not None:
-            return out.contiguous()
+            return out
     layout = "(batch, heads, seqlen, head_dim)"
     _validate(query, key, value, ("query", "key", "value"), layout)
     _check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
@@ -243,7 +247,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         _fallback(reason)
         return _sdpa_fallback(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
     signature = _signature(query, key, value, is_causal, scale, enable_gqa) if _memoizable(query, scale) else None
-    return _run(query, key, value, is_causal, 0, scale, signature).contiguous()
+    return _run(query, key, value, is_causal, 0, scale, signature)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):

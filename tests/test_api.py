@@ -84,6 +84,29 @@ def test_attention_matches_torch_sdpa(strict):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.interpreter
+def test_attention_output_keeps_an_attention_layers_layout(strict):
+    """q/k/v as attention layers make them, (B, N, H, D) seen through transpose(1, 2): the output
+    comes back in that layout (the kernels write it there; no copy to contiguous), on the first
+    call, on the repeated-call fast path and through autograd, and the values are right."""
+    from autoflash.dispatch import get_dispatcher
+
+    get_dispatcher().inference_calls.clear()
+    b, n, hq, hkv, d = 2, 37, 4, 2, 32
+    q, k, v = (rand(b, n, h, d, dtype=torch.float16, seed=s).transpose(1, 2) for h, s in ((hq, 30), (hkv, 31), (hkv, 32)))
+    ref, _ = reference(q, k, v, True, 0, 1 / math.sqrt(d))
+    for _ in range(2):  # the second call takes the fast path
+        out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert out.shape == q.shape and out.stride() == q.stride() and not out.is_contiguous()
+        assert out.transpose(1, 2).is_contiguous()  # so the usual reshape to (B, N, H * D) is a view
+        assert rel_error(out, ref) <= TOL[torch.float16]
+    q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
+    out = autoflash.attention(q32, k32, v32, is_causal=True, enable_gqa=True)
+    assert out.stride() == q32.stride()
+    out.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q32, k32, v32))
+
+
 # ----------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("kwargs, match", [
     (dict(q=rand(2, 8, 4), k=rand(2, 2, 8, 4), v=rand(2, 2, 8, 4)), "query must be 4-D"),

@@ -233,7 +233,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         query that is a (batch, seqlen, heads, headdim) tensor seen through `.transpose(1, 2)`, as
         attention layers make them, gives an output laid out the same way, so the usual
         `out.transpose(1, 2).reshape(batch, seqlen, -1)` copies nothing (torch SDPA's CUDA
-        backends do not return contiguous outputs either).
+        backends do not return contiguous outputs either). A query with gaps between its
+        elements gives a contiguous output.
     """
     if attn_mask is None and not dropout_p:
         out = _repeat_inference_call(query, key, value, is_causal, scale, enable_gqa)

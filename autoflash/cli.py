@@ -370,6 +370,12 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
 
         with open(md_path, "w") as f:
             _Console(file=f, width=200, color_system=None).print(table)
+    short = [r for r in results if r.cut_short]
+    if short:
+        console.print(f"[yellow]{len(short)} of {len(results)} problems reached the time budget before {trials} "
+                      f"measured candidates (fewest: {min(r.measured for r in short)}). Short searches miss good "
+                      "variants: the same command with a larger --budget continues them (trials already in "
+                      "the DB count).[/]")
     counts = store.counts()
     console.print(f"DB {store.path}: {counts['winners']} winners, {counts['trials']} trials")
 

@@ -65,6 +65,7 @@ class ProblemResult:
     measured: int
     failed: int
     status: str  # "tuned" | "no_valid_candidate" | "skipped"
+    cut_short: bool = False  # the time budget ended the search before its trial budget
 
     def tflops(self, method: str) -> float:
         return measure.tflops(self.shape, self.ms.get(method, float("nan")))
@@ -221,7 +222,10 @@ class Tuner:
                     failed += 1
                     _tell(study, trial, state=optuna.trial.TrialState.FAIL)
                 self.reporter.trial_done(measured, budget, variant, outcome, measure.tflops(shape, best))
-        return self._pick_winner(shape, problem, thash, done, default, measured, failed)
+        cut_short = measured < budget and not time_left()  # (not the sampler running out of new variants)
+        result = self._pick_winner(shape, problem, thash, done, default, measured, failed)
+        result.cut_short = cut_short
+        return result
 
     def _seeds(self, default: Variant, problem: Problem, thash: str, budget: int) -> list[Variant]:
         """The default and known-good variants: this problem's winners under earlier versions of the
@@ -481,7 +485,7 @@ def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Repo
             if options.budget_s is not None:
                 left = options.budget_s - (time.monotonic() - start)
                 if left <= 0:
-                    results.append(ProblemResult(shape, shape.problem, None, {}, math.nan, 0, 0, "skipped"))
+                    results.append(ProblemResult(shape, shape.problem, None, {}, math.nan, 0, 0, "skipped", True))
                     continue
                 deadline = time.monotonic() + left / (len(todo) - i)
             reporter.problem_started(i, len(todo), shape)

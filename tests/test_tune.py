@@ -49,6 +49,7 @@ def test_tune_interpret_cli_end_to_end(tmp_path):
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "interpreter mode" in text and "A CUDA GPU is needed for real tuning" in text
+    assert "reached the time budget" not in text  # every problem got its 3 trials
     out = subprocess.run([sys.executable, "-m", "sqlite_utils", "tables", str(db), "--counts"],
                          capture_output=True, text=True, check=True).stdout
     counts = {t["table"]: t["count"] for t in json.loads(out)}
@@ -58,6 +59,18 @@ def test_tune_interpret_cli_end_to_end(tmp_path):
         problem = Problem.from_key(w["problem"])
         load_space("fwd").validate(json.loads(w["variant"]), problem, gpu_fingerprint())  # valid by construction
     assert all(row["status"] == "ok" and row["err"] is not None for row in store.db["trials"].rows)
+
+
+def test_tune_cli_says_when_the_budget_cut_searches_short(tmp_path):
+    shapes = tmp_path / "one.toml"
+    shapes.write_text("[[shape]]\nbatch = 1\nheads_q = 2\nheads_kv = 2\nseqlen_q = 37\nseqlen_k = 37\n"
+                      "head_dim = 32\ncausal = true\ndtype = \"float16\"\n")
+    r = CliRunner().invoke(cli, ["tune", "--interpret", "--db", str(tmp_path / "t.db"), "--shapes", str(shapes),
+                                 "--trials", "500", "--budget", "0.1"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "1 of 1 problems reached the time budget before 500 measured candidates" in text
+    assert "larger --budget continues them" in text
 
 
 def test_tune_without_gpu_says_a_gpu_is_needed(monkeypatch):
@@ -166,7 +179,7 @@ def test_backward_tuning_in_the_interpreter(tmp_path):
     store = Store(tmp_path / "t.db")
     shape = Shape(1, 4, 2, 45, 45, 64, True, "float16", op="bwd")
     (result,) = tune([shape], store, TuneOptions(trials=3, interpret=True))
-    assert result.status == "tuned" and result.problem.op == "bwd"
+    assert result.status == "tuned" and result.problem.op == "bwd" and not result.cut_short
     rows = list(store.db["trials"].rows)
     assert len(rows) == 3 and all(r["status"] == "ok" and r["err"] is not None for r in rows)
     assert store.winners(op="bwd")[0]["problem"].startswith("bwd/float16/d64/causal/g2/")
@@ -181,6 +194,7 @@ def test_global_budget_is_shared_and_respected(tmp_path):
     assert [r.status for r in results] == ["tuned"] * len(shapes)
     for r in results:
         assert 1 <= r.measured < len(load_space("fwd").valid_variants(r.problem, gpu_fingerprint()))
+        assert r.cut_short  # and the result says so (the CLI tells the user to raise --budget)
 
 
 def test_winner_of_an_earlier_template_seeds_the_search(tmp_path):

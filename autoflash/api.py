@@ -171,7 +171,7 @@ def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causa
     call is new, differentiable or being traced by torch.compile: the full path handles those."""
     if not _memoizable(q, scale):
         return None
-    from autoflash.dispatch import ensure_allocator, get_dispatcher
+    from autoflash.dispatch import get_dispatcher, prepare_launch
 
     try:
         if _needs_autograd(q, k, v):  # (tracing by torch.compile was ruled out by _memoizable)
@@ -183,8 +183,7 @@ def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causa
         return None
     module, lse, sm_scale, causal_offset = entry
     out = torch.empty_like(q)  # q's memory layout, as forward_with_lse
-    if module.LOADS == "tma":
-        ensure_allocator()
+    prepare_launch(module)
     module.launch(q, k, v, out, lse, sm_scale, causal, causal_offset)
     return out
 

@@ -475,7 +475,6 @@ def which(shapes, op, interpret):
     from autoflash.dispatch import get_dispatcher
     from autoflash.problem import gpu_fingerprint, load_shape_set
 
-    gpu_fingerprint.cache_clear()
     device = gpu_fingerprint()
     disp = get_dispatcher()
     t = Table(title=f"kernels served on {device.name} ({op}, contiguous inputs)")

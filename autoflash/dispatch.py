@@ -96,6 +96,12 @@ def ensure_allocator() -> None:
         triton.set_allocator(_allocate_scratch)
 
 
+def prepare_launch(module) -> None:
+    """What a kernel module needs before it launches: a TMA variant, the descriptor scratch allocator."""
+    if module.LOADS == "tma":
+        ensure_allocator()
+
+
 class WinnerTable:
     """Tuned winners that apply to one GPU fingerprint and the current templates, in memory.
 
@@ -272,14 +278,12 @@ class Dispatcher:
 
     def forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int) -> None:
         module = self.module_for(q, k, v, o, causal)
-        if module.LOADS == "tma":
-            ensure_allocator()
+        prepare_launch(module)
         module.launch(q, k, v, o, lse, sm_scale, causal, causal_offset)
 
     def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
         module = self.module_for(q, k, v, do, causal, op="bwd")
-        if module.LOADS == "tma":
-            ensure_allocator()
+        prepare_launch(module)
         module.launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset)
 
 

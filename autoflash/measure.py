@@ -119,12 +119,11 @@ def gate_shapes(shape: Shape) -> list[Shape]:
 
 def prepare_tma(module, *tensors) -> None:
     """A TMA variant needs TMA-compatible tensors and Triton's descriptor scratch allocator."""
-    from autoflash.dispatch import ensure_allocator, tma_compatible
+    from autoflash.dispatch import prepare_launch, tma_compatible
 
-    if module.LOADS == "tma":
-        if not tma_compatible(*tensors):
-            raise ValueError("inputs are not TMA-compatible for a TMA variant")
-        ensure_allocator()
+    if module.LOADS == "tma" and not tma_compatible(*tensors):
+        raise ValueError("inputs are not TMA-compatible for a TMA variant")
+    prepare_launch(module)
 
 
 def run_variant(module, q, k, v, causal: bool, causal_offset: int, scale: float):

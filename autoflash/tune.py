@@ -129,6 +129,7 @@ class Tuner:
         if os.environ.get("AUTOFLASH_KERNEL_CACHE"):
             env["AUTOFLASH_KERNEL_CACHE"] = os.environ["AUTOFLASH_KERNEL_CACHE"]
         self.gpu_key = store.add_gpu(self.device)
+        self.shipped_winners = self._read_shipped_winners()  # warm-start seeds, read once per run
         store.mark_dead_runs()  # runs a kill left 'running' (their trials are kept and resumed)
         self.run_id = store.start_run(self.gpu_key, command)
         self.sandbox = measure.Sandbox(self.device_str, env)
@@ -236,15 +237,7 @@ class Tuner:
         seeds = [default]
         space = load_space(problem.op)
         rows = self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim)
-        for path in resources.shipped_databases():
-            try:
-                shipped = Store(path, readonly=True)
-                try:
-                    rows += shipped.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim)
-                finally:
-                    shipped.close()
-            except Exception:  # an unreadable shipped DB only costs the warm start
-                continue
+        rows += [w for w in self.shipped_winners if w["op"] == problem.op and w["head_dim"] == problem.head_dim]
         earlier = [w for w in rows if w["problem"] == problem.key and w["template_hash"] != thash]
         others = [w for w in rows if w["problem"] != problem.key and w["template_hash"] == thash
                   and w["dtype"] == problem.dtype]
@@ -252,6 +245,20 @@ class Tuner:
         seeds += self._heavy_first_twins(seeds[:2], problem, space)
         seeds += self._valid_variants(others, default, problem, thash, space)
         return list(dict.fromkeys(seeds))[: max(1, budget // 4)]
+
+    def _read_shipped_winners(self) -> list[dict]:
+        """This GPU's winners in the DBs shipped in cache/ (any template version)."""
+        rows = []
+        for path in resources.shipped_databases():
+            try:
+                shipped = Store(path, readonly=True)
+                try:
+                    rows += shipped.winners(self.gpu_key)
+                finally:
+                    shipped.close()
+            except Exception:  # an unreadable shipped DB only costs the warm start
+                continue
+        return rows
 
     def _valid_variants(self, rows: list[dict], default: Variant, problem: Problem, thash: str, space) -> list[Variant]:
         """The rows' variants that are valid for this problem; a row of an earlier template gets the

@@ -15,7 +15,9 @@ import warnings
 
 import torch
 
-from autoflash.problem import interpreter_enabled
+from autoflash.device import interpreter_enabled
+from autoflash.dispatch import get_dispatcher
+from autoflash.reference import sdpa_attention
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -32,8 +34,14 @@ class FallbackError(RuntimeError):
 _warned_reasons: set[str] = set()
 
 
+def strict_mode() -> bool:
+    """AUTOFLASH_STRICT: 1/true/yes/on turn fallbacks into errors; 0/false/no/off/empty do not."""
+    value = os.environ.get("AUTOFLASH_STRICT", "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
 def _fallback(reason: str) -> None:
-    if os.environ.get("AUTOFLASH_STRICT", "0") not in ("", "0"):
+    if strict_mode():
         raise FallbackError(f"autoflash cannot run this call on its kernels: {reason} "
                             "(AUTOFLASH_STRICT=1 turns fallbacks into errors)")
     if reason not in _warned_reasons:
@@ -49,6 +57,8 @@ def _validate(q, k, v, names: tuple[str, str, str], layout: str) -> None:
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
     qn, kn, vn = names
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"{qn} must be a floating-point tensor (float16, bfloat16, float32, float64), got {q.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{qn}, {kn}, {vn} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -69,6 +79,22 @@ def _check_heads(hq: int, hkv: int, gqa_allowed: bool, qn: str, kn: str) -> None
         raise ValueError(f"{qn} has {hq} heads but {kn} has {hkv}: pass enable_gqa=True for grouped-query attention")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{qn} heads ({hq}) must be a multiple of {kn} heads ({hkv}) for grouped-query attention")
+
+
+def _check_numbers(dropout_p, scale, scale_name: str) -> None:
+    """dropout_p a probability, scale a positive finite number (or None): else ValueError."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
+    if scale is None:
+        return
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and (scale.is_floating_point() or not scale.dtype.is_complex):
+        value = float(scale)
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        value = float(scale)
+    else:
+        raise ValueError(f"{scale_name} must be a finite number or None, got {scale!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{scale_name} must be a finite number or None, got {scale!r}")
 
 
 def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
@@ -105,14 +131,11 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
     iff j <= i + causal_offset when causal. Rows that see no key get out = 0 and lse = +inf.
     No validation or fallback: the public functions do that.
     """
-    from autoflash.dispatch import get_dispatcher
-
-    b, h, nq, d = q.shape
     if out is None:
         out = torch.empty_like(q)  # q's memory layout (see flash_attn_func)
-    lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
-    sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    get_dispatcher().forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    get_dispatcher().kernel_for(q, k, v, out, causal).forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
     return out, lse
 
 
@@ -120,32 +143,10 @@ def _needs_autograd(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _needs_op(q, k, v) -> bool:
-    """Autograd or torch.compile need the registered custom op; plain inference calls skip its overhead."""
-    return torch.compiler.is_compiling() or _needs_autograd(q, k, v)
-
-
-def _run(q, k, v, causal: bool, causal_offset: int, scale, signature: tuple | None = None):
-    """Output in q's memory layout from the kernels, differentiable when needed.
-
-    signature: the validated call's `_signature`; an inference call stores it (with its kernel
-    module) so the next identical call takes `_repeat_inference_call` and skips validation."""
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if _needs_op(q, k, v):
-        from autoflash import ops
-
-        return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
-    out, lse = forward_with_lse(q, k, v, causal=causal, causal_offset=causal_offset, scale=sm_scale)
-    if signature is not None:
-        from autoflash.dispatch import get_dispatcher
-
-        dispatcher = get_dispatcher()
-        if len(dispatcher.inference_calls) > 4096:  # many distinct signatures: stay bounded
-            dispatcher.inference_calls.clear()
-        # lse is discarded by inference calls: this call's buffer becomes the signature's scratch.
-        dispatcher.inference_calls[signature] = (dispatcher.module_for(q, k, v, out, causal), lse, sm_scale,
-                                                 causal_offset)
-    return out
+# The API's one memo: an inference call's signature -> (kernel, lse scratch, scale, causal offset).
+# A repeated call with the same signature launches its kernel at once (`_repeat_inference_call`).
+inference_plans: dict[tuple, tuple] = {}
+MAX_PLANS = 4096
 
 
 def _signature(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0) -> tuple:
@@ -158,61 +159,57 @@ def _signature(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: in
 
 
 def _memoizable(q, scale) -> bool:
-    """Whether a call may use (or fill) the repeated-signature fast path: not while torch.compile
+    """Whether a call may use (or fill) the repeated-signature memo: not while torch.compile
     traces, a plain-number scale, and CPU tensors only while the interpreter is on."""
-    if torch.compiler.is_compiling() or not (scale is None or isinstance(scale, (int, float))):
+    if torch.compiler.is_compiling() or not (scale is None or type(scale) in (int, float)):
         return False
     return getattr(q, "is_cuda", False) or interpreter_enabled()
 
 
 def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0):
-    """The host fast path: an inference call whose exact signature was validated before launches
+    """The host fast path: an inference call whose exact signature was planned before launches
     its kernel directly (no validation, no dispatcher lookup, a reused lse scratch). None when the
     call is new, differentiable or being traced by torch.compile: the full path handles those."""
-    if not _memoizable(q, scale):
-        return None
-    from autoflash.dispatch import get_dispatcher, prepare_launch
-
     try:
-        if _needs_autograd(q, k, v):  # (tracing by torch.compile was ruled out by _memoizable)
-            return None
-        entry = get_dispatcher().inference_calls.get(_signature(q, k, v, causal, scale, enable_gqa, causal_offset))
-    except AttributeError:  # not tensors: the full path raises the proper ValueError
+        plan = inference_plans.get(_signature(q, k, v, causal, scale, enable_gqa, causal_offset))
+    except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the full path decides
         return None
-    if entry is None:
+    if plan is None or torch.compiler.is_compiling() or _needs_autograd(q, k, v):
         return None
-    module, lse, sm_scale, causal_offset = entry
+    if not q.is_cuda and not interpreter_enabled():  # planned under the interpreter, which is now off
+        return None
+    kernel, lse, sm_scale, offset = plan
     out = torch.empty_like(q)  # q's memory layout, as forward_with_lse
-    prepare_launch(module)
-    module.launch(q, k, v, out, lse, sm_scale, causal, causal_offset)
+    kernel.forward(q, k, v, out, lse, sm_scale, causal, offset)
     return out
 
 
-def _sdpa_fallback(q, k, v, attn_mask, dropout_p, causal, causal_offset, scale):
-    """torch SDPA on (B, H, N, D) tensors, with bottom-right causal expressed as a mask."""
-    import torch.nn.functional as F
+def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
+    """The planned kernel call on (B, H, N, D) views: output in q's memory layout, differentiable
+    when needed. An inference call stores its plan for `_repeat_inference_call`."""
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.compiler.is_compiling() or _needs_autograd(q, k, v):
+        from autoflash import ops  # the registered custom op: autograd and torch.compile see one node
 
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # portable GQA (enable_gqa is not supported by every backend)
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    if causal and causal_offset != 0:
-        nq, nk = q.shape[2], k.shape[2]
-        i = torch.arange(nq, device=q.device)[:, None]
-        j = torch.arange(nk, device=q.device)[None, :]
-        mask = j <= i + causal_offset
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-        return out.masked_fill(~mask.any(dim=1)[:, None], 0.0)  # rows with no visible key: 0, as flash-attn
-    if scale is not None and not float(scale) > 0:
-        # Seen with torch 2.11 on CPU: the default SDPA backend returns NaN for a causal mask with
-        # a scale <= 0; the math backend does not.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    kernel = get_dispatcher().kernel_for(q, k, v, out, causal)
+    kernel.forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
+    if _memoizable(q, scale):
+        if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
+            inference_plans.clear()
+        # lse is discarded by inference calls: this call's buffer becomes the signature's scratch.
+        inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = (
+            kernel, lse, sm_scale, causal_offset)
+    return out
 
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                  is_causal=causal, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                          is_causal=causal, scale=scale)
+
+def reset() -> None:
+    """Forget every plan, warning and loaded winner (tests; after tuning into the DB in-process)."""
+    inference_plans.clear()
+    _warned_reasons.clear()
+    get_dispatcher().reset()
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -242,12 +239,12 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     layout = "(batch, heads, seqlen, head_dim)"
     _validate(query, key, value, ("query", "key", "value"), layout)
     _check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
+    _check_numbers(dropout_p, scale, "scale")
     reason = _unsupported_reason(query, key, value, attn_mask, dropout_p, scale)
     if reason is not None:
         _fallback(reason)
-        return _sdpa_fallback(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
-    signature = _signature(query, key, value, is_causal, scale, enable_gqa) if _memoizable(query, scale) else None
-    return _run(query, key, value, is_causal, 0, scale, signature)
+        return sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
+    return _run(query, key, value, is_causal, 0, scale, enable_gqa)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
@@ -275,11 +272,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     _check_heads(q.shape[2], k.shape[2], True, "q", "k")
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     offset = k.shape[1] - q.shape[1]
+    _check_numbers(dropout_p, softmax_scale, "softmax_scale")
     reason = _unsupported_reason(qt, kt, vt, None, dropout_p, softmax_scale)
     if reason is not None:
         _fallback(reason)
-        return _sdpa_fallback(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()
+        return sdpa_attention(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()
     # The kernels write the output in q's memory layout, so (B, N, H, D) inputs give a
     # (B, N, H, D) result with no copy.
-    signature = _signature(qt, kt, vt, causal, softmax_scale, True, offset) if _memoizable(qt, softmax_scale) else None
-    return _run(qt, kt, vt, causal, offset, softmax_scale, signature).transpose(1, 2).contiguous()
+    return _run(qt, kt, vt, causal, offset, softmax_scale, True).transpose(1, 2).contiguous()

@@ -14,9 +14,10 @@ from typing import Callable
 import torch
 
 from autoflash import codegen
-from autoflash.measure import (SDPA_BACKENDS, bench_ms, causal_offset_for, if_it_runs, launch_callable, make_inputs,
-                               sdpa_backend, sdpa_callable, tflops)
 from autoflash.problem import Shape, geomean
+from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
+from autoflash.tuning.timing import (SDPA_BACKENDS, bench_ms, if_it_runs, launch_callable, sdpa_callable, tflops,
+                                     time_callable)
 from autoflash.space import Variant
 
 
@@ -35,8 +36,8 @@ class BenchRow:
 
 def _variant_fn(variant: Variant, shape: Shape, q, k, v, template_file=None) -> Callable[[], None]:
     """Raises ValueError for a TMA variant on TMA-incompatible tensors."""
-    module = codegen.load(variant, template_file)
-    return launch_callable(module, shape, q, k, v, causal_offset_for(shape, "top_left"))
+    kernel = codegen.load(variant, template_file)
+    return launch_callable(kernel, shape, q, k, v, causal_offset_for(shape, "top_left"))
 
 
 def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,
@@ -46,8 +47,6 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
     alone, by the shapes' op). templates: method name -> a template file to render that method's
     variants from instead of the package's. device='cpu' (the Triton interpreter) times one call by
     wall clock and skips SDPA: a pipeline check, not performance."""
-    from autoflash.measure import _time_callable
-
     rows = []
     for shape in shapes:
         if progress:
@@ -64,7 +63,7 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
         samples = {name: [] for name in fns}
         for _ in range(rounds):
             for name, fn in fns.items():
-                samples[name].append(_time_callable(fn, q.device, rep_ms))
+                samples[name].append(time_callable(fn, q.device, rep_ms))
         ms = {name: statistics.median(s) for name, s in samples.items()}
         for backend in sdpa:
             ms.setdefault(f"sdpa_{backend}", float("nan"))
@@ -140,10 +139,11 @@ def dispatch_overhead(calls: int = 2000, repeats: int = 7) -> dict:
     q, k, v = make_inputs(shape, "cuda", seed=1)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    module = get_dispatcher().module_for(q, k, v, out, causal=True)
+    module = get_dispatcher().kernel_for(q, k, v, out, causal=True).module
     scale = 1.0 / math.sqrt(shape.head_dim)
     fns = {"bare_launch_us": lambda: module.launch(q, k, v, out, lse, scale, True, 0),
-           "autoflash_attention_us": lambda: autoflash.attention(q, k, v, is_causal=True)}
+           "autoflash_attention_us": lambda: autoflash.attention(q, k, v, is_causal=True),
+           "torch_sdpa_us": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)}
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()  # compile, load, and let the API remember this call signature

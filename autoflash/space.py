@@ -17,10 +17,34 @@ import tomllib
 from typing import Any, Iterable, Iterator, Mapping
 
 from autoflash import resources
-from autoflash.problem import GPUFingerprint, Problem
+from autoflash.device import GPUFingerprint
+from autoflash.problem import Problem
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-OPS = {"fwd": "attn_fwd.toml", "bwd": "attn_bwd.toml"}
+
+# The kernel families: a family is a template, a search space that names it, and one line here
+# (family name -> its search-space file). See README "Adding a kernel family".
+FAMILIES = {
+    "triton_fwd": "attn_fwd.toml",
+    "triton_bwd": "attn_bwd.toml",
+}
+# Each op's first family: where its built-in defaults come from, and what a bare op name means
+# (`load_space("fwd")`, stored variants written before families existed).
+DEFAULT_FAMILY = {"fwd": "triton_fwd", "bwd": "triton_bwd"}
+OPS = tuple(DEFAULT_FAMILY)
+
+
+def family_name(name: str) -> str:
+    """A family name, or an op name standing for its default family."""
+    name = DEFAULT_FAMILY.get(name, name)
+    if name not in FAMILIES:
+        raise ValueError(f"unknown kernel family or op {name!r}; families: {sorted(FAMILIES)}, ops: {list(OPS)}")
+    return name
+
+
+def families_for(op: str) -> list[str]:
+    """The families that implement `op`, the default one first."""
+    return [f for f in FAMILIES if load_space(f).op == op]
 
 
 class InvalidVariant(ValueError):
@@ -60,14 +84,20 @@ def evaluate(source: str, names: Mapping[str, Any]):
 # --------------------------------------------------------------------------- variants
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One choice per knob of an op's space. Hashable, with a stable JSON form."""
+    """One choice per knob of a family's space. Hashable, with a stable JSON form (the knobs only:
+    the family of a stored variant is told by its template hash)."""
 
-    op: str
+    family: str
     items: tuple  # ((knob, value), ...) sorted by knob
 
     @classmethod
-    def of(cls, op: str, values: Mapping[str, Any]) -> "Variant":
-        return cls(op, tuple(sorted(values.items())))
+    def of(cls, family: str, values: Mapping[str, Any]) -> "Variant":
+        """family: a family name, or an op name for that op's default family."""
+        return cls(family_name(family), tuple(sorted(values.items())))
+
+    @property
+    def op(self) -> str:
+        return load_space(self.family).op
 
     def as_dict(self) -> dict:
         return dict(self.items)
@@ -79,7 +109,7 @@ class Variant:
         return self.as_dict()[knob]
 
     def replace(self, **changes) -> "Variant":
-        return Variant.of(self.op, {**self.as_dict(), **changes})
+        return Variant(self.family, tuple(sorted({**self.as_dict(), **changes}.items())))
 
     def short(self) -> str:
         """Compact, for tables: tiles, warps, stages, then the other knobs' values (a true flag by
@@ -108,11 +138,13 @@ class Constraint:
 
 @dataclasses.dataclass(frozen=True)
 class Space:
+    family: str
     op: str
     template: str
     knobs: dict  # knob -> tuple of choices (declared order)
     derived: dict  # name -> expression
     constraints: tuple
+    defaults: tuple = ()  # ((when rule, {knob: value}, measured), ...), applied in order
 
     # ---- sizes and enumeration
     @property
@@ -125,7 +157,7 @@ class Space:
     def all_variants(self) -> Iterator[Variant]:
         names = list(self.knobs)
         for combo in itertools.product(*(self.knobs[k] for k in names)):
-            yield Variant.of(self.op, dict(zip(names, combo)))
+            yield Variant(self.family, tuple(sorted(dict(zip(names, combo)).items())))  # dict(zip(names, combo)))
 
     def valid_variants(self, problem: Problem, device: GPUFingerprint) -> list[Variant]:
         return [v for v in self.all_variants() if not self.violations(v, problem, device)]
@@ -134,22 +166,21 @@ class Space:
     def check_declared(self, values: Mapping[str, Any]) -> Variant:
         """Reject unknown knobs, missing knobs and undeclared values (e.g. from a DB row)."""
         if not isinstance(values, Mapping):
-            raise InvalidVariant(f"a {self.op} variant must be a JSON object, got {type(values).__name__}")
+            raise InvalidVariant(f"a {self.family} variant must be a JSON object, got {type(values).__name__}")
         unknown = sorted(set(values) - set(self.knobs))
         if unknown:
-            raise InvalidVariant(f"unknown knob(s) for op {self.op!r}: {unknown}; declared: {list(self.knobs)}")
+            raise InvalidVariant(f"unknown knob(s) for {self.family!r}: {unknown}; declared: {list(self.knobs)}")
         missing = sorted(set(self.knobs) - set(values))
         if missing:
-            raise InvalidVariant(f"missing knob(s) for op {self.op!r}: {missing}")
+            raise InvalidVariant(f"missing knob(s) for {self.family!r}: {missing}")
         for knob, value in values.items():
             # bool is an int subclass: compare types too, so True never passes for 1.
             if not any(type(value) is type(c) and value == c for c in self.knobs[knob]):
                 raise InvalidVariant(f"{knob}={value!r} is not a declared choice {list(self.knobs[knob])}")
-        return Variant.of(self.op, values)
+        return Variant(self.family, tuple(sorted(values.items())))
 
     def names(self, variant: Variant, problem: Problem, device: GPUFingerprint) -> dict:
-        ns = dict(problem_names(problem))
-        ns.update(cc_major=device.cc_major, cc_minor=device.cc_minor, smem_limit=device.smem_per_block)
+        ns = device_names(problem, device)
         ns.update(variant.as_dict())
         for name, expr in self.derived.items():
             ns[name] = evaluate(expr, ns)
@@ -170,7 +201,30 @@ class Space:
 
     def suggest(self, trial) -> Variant:
         """Map an Optuna trial's categorical suggestions to a Variant."""
-        return Variant.of(self.op, {k: trial.suggest_categorical(k, list(c)) for k, c in self.knobs.items()})
+        return Variant(self.family, tuple(sorted((k, trial.suggest_categorical(k, list(c)))
+                                                for k, c in self.knobs.items())))
+
+    # ---- defaults
+    def default_for(self, problem: Problem, device: GPUFingerprint) -> Variant:
+        """The built-in variant for an untuned problem, from the space file's [[defaults]] (each
+        entry whose `when` holds overrides the knobs it names; `measured` says where the values come
+        from). Not necessarily valid here: pass it through `nearest_valid`."""
+        ns = device_names(problem, device)
+        values: dict = {}
+        for when, knobs, _measured in self.defaults:
+            if evaluate(when, ns):
+                values.update(knobs)
+        return self.check_declared(values)
+
+    def nearest_valid(self, preferred: Variant, problem: Problem, device: GPUFingerprint) -> Variant:
+        """`preferred` if this space allows it here, else the valid variant differing in fewest knobs."""
+        if not self.violations(preferred, problem, device):
+            return preferred
+        want = preferred.as_dict()
+        valid = self.valid_variants(problem, device)
+        if not valid:
+            raise InvalidVariant(f"the {self.family} search space has no valid variant for {problem.key} on {device.name}")
+        return min(valid, key=lambda v: (sum(v[k] != want.get(k) for k in v.as_dict()), v.json()))
 
 
 def problem_names(problem: Problem) -> dict:
@@ -182,15 +236,22 @@ def problem_names(problem: Problem) -> dict:
                 seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k)
 
 
+def device_names(problem: Problem, device: GPUFingerprint) -> dict:
+    return dict(problem_names(problem), cc_major=device.cc_major, cc_minor=device.cc_minor,
+                smem_limit=device.smem_per_block)
+
+
 @functools.lru_cache(maxsize=None)
-def load_space(op: str) -> Space:
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; known ops: {sorted(OPS)}")
-    return parse_space(resources.read_text("search_spaces", OPS[op]))
+def load_space(name: str) -> Space:
+    """The search space of a family (or of an op's default family)."""
+    family = family_name(name)
+    space = parse_space(resources.read_text("search_spaces", FAMILIES[family]), family)
+    return space
 
 
-def parse_space(text: str) -> Space:
+def parse_space(text: str, family: str | None = None) -> Space:
     data = tomllib.loads(text)
+    family = family or data.get("family") or DEFAULT_FAMILY[data["op"]]
     knobs = {k: tuple(v) for k, v in data["knobs"].items()}
     for k, choices in knobs.items():
         if not choices:
@@ -198,10 +259,22 @@ def parse_space(text: str) -> Space:
     constraints = tuple(Constraint(c["name"], c["rule"], c.get("why", c["rule"]))
                         for c in data.get("constraints", []))
     derived = dict(data.get("derived", {}))
-    for expr in [*derived.values(), *(c.rule for c in constraints)]:
+    defaults = tuple((d.get("when", "True"), dict(d["values"]), d.get("measured", ""))
+                     for d in data.get("defaults", []))
+    for expr in [*derived.values(), *(c.rule for c in constraints), *(d[0] for d in defaults)]:
         compile_expression(expr)  # fail at load time, not mid-tune
-    return Space(op=data["op"], template=data["template"], knobs=knobs, derived=derived,
-                 constraints=constraints)
+    for _when, values, _measured in defaults:
+        for knob, value in values.items():
+            if knob not in knobs or not any(type(value) is type(c) and value == c for c in knobs[knob]):
+                raise ValueError(f"[[defaults]] of {family}: {knob}={value!r} is not a declared choice")
+    return Space(family=family, op=data["op"], template=data["template"], knobs=knobs, derived=derived,
+                 constraints=constraints, defaults=defaults)
+
+
+def default_variant(op: str, problem: Problem, device: GPUFingerprint) -> Variant:
+    """The op's built-in variant for an untuned problem, made valid here (default family)."""
+    space = load_space(op)
+    return space.nearest_valid(space.default_for(problem, device), problem, device)
 
 
 def parse_variant_json(op: str, text: str | Mapping) -> dict:

@@ -190,13 +190,24 @@ class Store:
         return self._retry(insert)
 
     def set_winner(self, *, gpu_key, problem, template_hash, variant_json, median_ms, spread, tflops,
-                   trials, run_id=None, default_ms=None, sdpa_cudnn_ms=None, sdpa_flash_ms=None, shape=None) -> None:
+                   trials, run_id=None, default_ms=None, sdpa_cudnn_ms=None, sdpa_flash_ms=None, shape=None,
+                   replaces: Iterable[str] = ()) -> None:
+        """Store a problem's winner. replaces: template hashes of the op's other kernel families,
+        whose winners for this problem the new one supersedes (one winner per problem and GPU)."""
         row = {"gpu_key": gpu_key, "problem": problem.key, "template_hash": template_hash,
                **_problem_cols(problem), "variant": variant_json, "median_ms": _num(median_ms),
                "spread": _num(spread), "tflops": _num(tflops), "default_ms": _num(default_ms),
                "sdpa_cudnn_ms": _num(sdpa_cudnn_ms), "sdpa_flash_ms": _num(sdpa_flash_ms), "trials": trials,
                "run_id": run_id, "shape": json.dumps(shape) if shape is not None else None, "updated_at": now()}
-        self._retry(lambda: self.db["winners"].upsert(row, pk=("gpu_key", "problem", "template_hash")))
+        others = [h for h in replaces if h != template_hash]
+
+        def write():
+            with self.db.conn:  # one transaction: never two current winners, never none
+                for h in others:
+                    self.db.execute("delete from winners where gpu_key = ? and problem = ? and template_hash = ?",
+                                    [gpu_key, problem.key, h])
+                self.db["winners"].upsert(row, pk=("gpu_key", "problem", "template_hash"))
+        self._retry(write)
 
     # ---- reads
     def trials_for(self, gpu_key: str, problem_key: str, template_hash: str) -> list[dict]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import autoflash
 from autoflash import api
-from autoflash.measure import reference, rel_error
+from autoflash.reference import reference, rel_error
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -26,7 +26,7 @@ def strict(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    api._warned_reasons.clear()
+    api.reset()
     yield
 
 
@@ -89,9 +89,7 @@ def test_attention_output_keeps_an_attention_layers_layout(strict):
     """q/k/v as attention layers make them, (B, N, H, D) seen through transpose(1, 2): the output
     comes back in that layout (the kernels write it there; no copy to contiguous), on the first
     call, on the repeated-call fast path and through autograd, and the values are right."""
-    from autoflash.dispatch import get_dispatcher
-
-    get_dispatcher().inference_calls.clear()
+    api.inference_plans.clear()
     b, n, hq, hkv, d = 2, 37, 4, 2, 32
     q, k, v = (rand(b, n, h, d, dtype=torch.float16, seed=s).transpose(1, 2) for h, s in ((hq, 30), (hkv, 31), (hkv, 32)))
     ref, _ = reference(q, k, v, True, 0, 1 / math.sqrt(d))
@@ -100,7 +98,7 @@ def test_attention_output_keeps_an_attention_layers_layout(strict):
         assert out.shape == q.shape and out.stride() == q.stride() and not out.is_contiguous()
         assert out.transpose(1, 2).is_contiguous()  # so the usual reshape to (B, N, H * D) is a view
         assert rel_error(out, ref) <= TOL[torch.float16]
-    from autoflash.measure import reference_grads
+    from autoflash.reference import reference_grads
 
     q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
     out = autoflash.attention(q32, k32, v32, is_causal=True, enable_gqa=True)
@@ -165,7 +163,7 @@ def test_non_positive_scale_falls_back_and_stays_right():
             out = autoflash.attention(q, k, v, is_causal=True, scale=scale)
         ref, _ = reference(q, k, v, True, 0, scale)
         assert rel_error(out, ref) < 1e-5
-        api._warned_reasons.clear()
+        api.reset()
     with pytest.warns(api.FallbackWarning, match="scale"):
         autoflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=-1.0)
 
@@ -255,9 +253,7 @@ def test_empty_sequence_falls_back_with_sdpa_semantics():
 
 @pytest.mark.interpreter
 def test_repeated_inference_calls_take_the_fast_path_and_stay_correct(strict):
-    from autoflash.dispatch import get_dispatcher
-
-    calls = get_dispatcher().inference_calls
+    calls = api.inference_plans
     calls.clear()
     shape = (1, 4, 2, 45, 45, 64)
     for seed in range(3):  # same signature, new data each time
@@ -275,9 +271,7 @@ def test_repeated_inference_calls_take_the_fast_path_and_stay_correct(strict):
 
 @pytest.mark.interpreter
 def test_flash_attn_func_repeats_take_the_fast_path_with_bottom_right_causality(strict):
-    from autoflash.dispatch import get_dispatcher
-
-    calls = get_dispatcher().inference_calls
+    calls = api.inference_plans
     calls.clear()
     for seed in range(3):  # Nq < Nk, GQA 4/2, (B, N, H, D): same signature, new data each time
         q = rand(2, 29, 4, 32, dtype=torch.float16, seed=seed)
@@ -297,9 +291,7 @@ def test_flash_attn_func_repeats_take_the_fast_path_with_bottom_right_causality(
 
 @pytest.mark.interpreter
 def test_fast_path_never_skips_validation_autograd_or_fallbacks(strict):
-    from autoflash.dispatch import get_dispatcher
-
-    get_dispatcher().inference_calls.clear()
+    api.inference_plans.clear()
     q, k, v = (rand(1, 2, 33, 32, seed=s) for s in (1, 2, 3))
     autoflash.attention(q, k, v)
     # Same tensors but GQA-shaped key: a new signature, so validation runs and raises.
@@ -315,15 +307,13 @@ def test_fast_path_never_skips_validation_autograd_or_fallbacks(strict):
 
 @pytest.mark.interpreter
 def test_tensor_scale_and_interpreter_off_bypass_the_fast_path(strict, monkeypatch):
-    from autoflash.dispatch import get_dispatcher
-
-    get_dispatcher().inference_calls.clear()
+    api.inference_plans.clear()
     q, k, v = (rand(1, 2, 20, 32, seed=s) for s in (4, 5, 6))
     out = autoflash.attention(q, k, v, scale=torch.tensor(0.2))  # unhashable scale: served, not memoized
     assert rel_error(out, reference(q, k, v, False, 0, 0.2)[0]) <= TOL[torch.float32]
-    assert not get_dispatcher().inference_calls
+    assert not api.inference_plans
     autoflash.attention(q, k, v)
-    assert len(get_dispatcher().inference_calls) == 1
+    assert len(api.inference_plans) == 1
     # Same signature with the interpreter off: CPU tensors are a fallback again, never the cached kernel.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(api.FallbackError, match="CUDA GPU"):

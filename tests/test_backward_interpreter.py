@@ -10,8 +10,9 @@ import torch
 
 from autoflash import codegen
 from autoflash.api import forward_with_lse
-from autoflash.measure import reference, rel_error
-from autoflash.problem import Problem, gpu_fingerprint
+from autoflash.reference import reference, rel_error
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Problem
 from autoflash.space import load_space
 
 pytestmark = pytest.mark.interpreter
@@ -66,7 +67,7 @@ def test_backward_variant_matches_float64_autograd(variant, case, dtype):
     scale = 0.8 / math.sqrt(d)
     out, lse = forward_with_lse(q, k, v, causal, offset, scale)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))  # poisoned: every element must be written
-    codegen.load(variant).launch(q, k, v, out, lse, do, dq, dk, dv, scale, causal, offset)
+    codegen.load(variant).backward(q, k, v, out, lse, do, dq, dk, dv, scale, causal, offset)
     for mine, ref in zip((dq, dk, dv), reference_grads(q, k, v, do, causal, offset, scale)):
         assert not torch.isnan(mine).any()
         assert rel_error(mine, ref) <= TOLERANCE[dtype]
@@ -97,7 +98,7 @@ def test_backward_stays_finite_when_every_score_is_very_negative(mode):
     out, lse = forward_with_lse(q, k, v, False, 0, scale)
     assert lse.max() < -100
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    codegen.load(variant).launch(q, k, v, out, lse, do, dq, dk, dv, scale, False, 0)
+    codegen.load(variant).backward(q, k, v, out, lse, do, dq, dk, dv, scale, False, 0)
     for mine, ref in zip((dq, dk, dv), reference_grads(q, k, v, do, False, 0, scale)):
         assert torch.isfinite(mine).all()
         assert rel_error(mine, ref) <= 1e-4

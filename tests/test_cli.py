@@ -59,7 +59,8 @@ def test_info_reports_fingerprint_and_db_paths():
 
 
 def test_db_path_and_list(tmp_path, monkeypatch):
-    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Problem
     from autoflash.store import Store
 
     db = tmp_path / "x.db"
@@ -83,7 +84,8 @@ def test_search_quality_on_a_recorded_sweep(tmp_path, monkeypatch):
     import autoflash.cli
 
     monkeypatch.setattr(autoflash.cli.console, "width", 200)
-    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Problem
     from autoflash.space import load_space
     from autoflash.store import Store
 
@@ -107,7 +109,9 @@ def test_search_quality_on_a_recorded_sweep(tmp_path, monkeypatch):
 def _db_with_winners(path, n=2, ms=1.0, gpu_name=None):
     import dataclasses
 
-    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
+
+    from autoflash.problem import Problem
     from autoflash.space import load_space
     from autoflash.store import Store
 
@@ -197,7 +201,7 @@ def test_bench_baseline_template_times_the_same_variant_from_another_template(tm
     assert lines[0] == ("| shape | autoflash TFLOP/s | default TFLOP/s | baseline TFLOP/s | autoflash/baseline "
                         "| default/baseline |")
     assert len(lines) == 2 + 4 + 1 and all(line.startswith("| bwd ") for line in lines[2:6])
-    rendered = [p.read_text() for p in pathlib.Path(os.environ["AUTOFLASH_KERNEL_CACHE"]).glob("bwd_*.py")]
+    rendered = [p.read_text() for p in pathlib.Path(os.environ["AUTOFLASH_KERNEL_CACHE"]).glob("triton_bwd_*.py")]
     assert any("baseline-marker" in text for text in rendered)  # really rendered from the other file
 
 
@@ -224,7 +228,8 @@ def test_db_export_sqlite_writes_a_winners_only_db(tmp_path):
 
 def test_db_export_ships_only_current_winners_of_one_op(tmp_path):
     from autoflash import codegen
-    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Problem
     from autoflash.space import load_space
     from autoflash.store import Store
 
@@ -250,7 +255,8 @@ def test_db_export_ships_only_current_winners_of_one_op(tmp_path):
 def test_which_names_the_winner_and_the_db_it_came_from(tmp_path, monkeypatch):
     import autoflash.dispatch
     from autoflash import codegen
-    from autoflash.problem import gpu_fingerprint, load_shape_set
+    from autoflash.device import gpu_fingerprint
+    from autoflash.shapes import load_shape_set
     from autoflash.space import load_space
     from autoflash.store import Store
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from autoflash import codegen, resources
-from autoflash.dispatch import default_variant
+from helpers import default_for
 
 
 def test_data_files_are_found():
@@ -14,23 +14,23 @@ def test_data_files_are_found():
 
 
 def test_load_writes_file_and_reuses_module():
-    v = default_variant("fwd", "float16", 64, has_tma=False)
+    v = default_for("fwd", "float16", 64, has_tma=False)
     m1 = codegen.load(v)
     path = codegen.source_path(v)
     assert path.is_file() and path.parent == codegen.kernel_cache_dir()
     assert path.read_text() == codegen.render(v)
     assert codegen.load(v) is m1
-    assert callable(m1.launch) and m1.BLOCK_M == v["BLOCK_M"]
+    assert callable(m1.module.launch) and m1.module.BLOCK_M == v["BLOCK_M"]
 
 
 def test_next_process_reuses_the_cached_file():
-    v = default_variant("fwd", "float16", 128, has_tma=False)
+    v = default_for("fwd", "float16", 128, has_tma=False)
     codegen.load(v)
     path = codegen.source_path(v)
     before = path.stat().st_mtime_ns
-    code = ("from autoflash import codegen; from autoflash.dispatch import default_variant; "
-            "v = default_variant('fwd', 'float16', 128, has_tma=False); m = codegen.load(v); "
-            "print(m.__file__)")
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); from autoflash import codegen; from helpers import default_for; "
+            "v = default_for('fwd', 'float16', 128, has_tma=False); m = codegen.load(v); "
+            "print(m.module.__file__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ})
     assert out.stdout.strip() == str(path)
@@ -38,7 +38,7 @@ def test_next_process_reuses_the_cached_file():
 
 
 def test_variant_hash_depends_on_template_and_variant():
-    a = default_variant("fwd", "float16", 64, has_tma=False)
+    a = default_for("fwd", "float16", 64, has_tma=False)
     b = a.replace(BLOCK_N=32)
     assert codegen.variant_hash(a) != codegen.variant_hash(b)
     assert len(codegen.template_hash("fwd")) == 16

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from autoflash import codegen
-from autoflash.dispatch import Dispatcher, WinnerTable, default_variant
-from autoflash.measure import reference, rel_error
-from autoflash.problem import Problem, gpu_fingerprint
+from autoflash.dispatch import Dispatcher, WinnerTable
+from autoflash.reference import reference, rel_error
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Problem
 from autoflash.space import load_space
 from autoflash.store import Store
+from helpers import default_for
 
 DEVICE = gpu_fingerprint()
 THASH = codegen.template_hash("fwd")
@@ -91,22 +93,22 @@ def test_corrupt_or_foreign_version_db_warns_and_uses_default(tmp_path):
     d = Dispatcher(winner_paths=[corrupt])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        v = d.variant_for(problem(), DEVICE, tma_ok=True)
-    assert v == default_variant("fwd", "float16", 64, True)
+        v = d.variant_for(problem(), DEVICE)
+    assert v == default_for("fwd", "float16", 64, has_tma=True)
 
 
 @pytest.mark.interpreter
 def test_dispatcher_launches_the_tuned_winner(tmp_path):
     p = problem(64, 64, causal=True)
-    winner = load_space("fwd").validate(dict(default_variant("fwd", "float16", 64, True).as_dict(),
+    winner = load_space("fwd").validate(dict(default_for("fwd", "float16", 64, has_tma=True).as_dict(),
                                              BLOCK_M=64, BLOCK_N=32, LOADS="block_ptr"), p, DEVICE)
     d = Dispatcher(winner_paths=[make_db(tmp_path / "w.db", [(p, winner.json())])])
     q = torch.randn(1, 2, 61, 64, dtype=torch.float16)
     out = torch.empty_like(q)
-    module = d.module_for(q, q, q, out, causal=True)
-    assert (module.BLOCK_M, module.BLOCK_N, module.LOADS) == (64, 32, "block_ptr")
+    kernel = d.kernel_for(q, q, q, out, causal=True)
+    assert (kernel.module.BLOCK_M, kernel.module.BLOCK_N, kernel.module.LOADS) == (64, 32, "block_ptr")
     lse = torch.empty(1, 2, 61)
-    d.forward(q, q, q, out, lse, 0.125, True, 0)
+    kernel.forward(q, q, q, out, lse, 0.125, True, 0)
     ref, _ = reference(q, q, q, True, 0, 0.125)
     assert rel_error(out, ref) < 2e-3
 
@@ -116,16 +118,16 @@ def test_tune_on_miss_is_opt_in_and_stores_a_winner(tmp_path, monkeypatch):
     db = tmp_path / "user.db"
     monkeypatch.setenv("AUTOFLASH_DB", str(db))
     q = torch.randn(1, 2, 45, 64, dtype=torch.float16)
-    Dispatcher(winner_paths=[db]).module_for(q, q, q, torch.empty_like(q), causal=False)
+    Dispatcher(winner_paths=[db]).kernel_for(q, q, q, torch.empty_like(q), causal=False)
     assert not db.exists()  # off by default: no tuning, no DB written
     monkeypatch.setenv("AUTOFLASH_TUNE_ON_MISS", "1")
     monkeypatch.setenv("AUTOFLASH_TUNE_ON_MISS_TRIALS", "2")
     d = Dispatcher(winner_paths=[db])
-    module = d.module_for(q, q, q, torch.empty_like(q), causal=False)
+    module = d.kernel_for(q, q, q, torch.empty_like(q), causal=False)
     store = Store(db)
     (winner,) = store.winners()
     assert winner["problem"] == "fwd/float16/d64/full/g1/q64/k64"
-    assert module.BLOCK_M == json.loads(winner["variant"])["BLOCK_M"]
+    assert module.module.BLOCK_M == json.loads(winner["variant"])["BLOCK_M"]
 
 
 def test_locked_db_warns_and_uses_default_without_stalling(tmp_path):
@@ -150,7 +152,7 @@ def test_locked_db_warns_and_uses_default_without_stalling(tmp_path):
 def test_backward_winner_is_served_through_autograd(tmp_path, monkeypatch):
     import autoflash
     import autoflash.dispatch
-    from autoflash.measure import reference_grads
+    from autoflash.reference import reference_grads
     from autoflash.problem import seqlen_bucket
 
     g = torch.Generator().manual_seed(3)
@@ -158,12 +160,12 @@ def test_backward_winner_is_served_through_autograd(tmp_path, monkeypatch):
     grad = torch.randn(1, 2, 40, 32, generator=g)
     prob = Problem("bwd", "float32", 32, True, 1, seqlen_bucket(40), seqlen_bucket(40))
     winner = [w for w in load_space("bwd").valid_variants(prob, DEVICE) if w["DQ_MODE"] == "atomic"][-1]
-    assert winner != default_variant("bwd", "float32", 32, False)
+    assert winner != default_for("bwd", "float32", 32, has_tma=False)
     db = make_db(tmp_path / "bwd.db", [(prob, winner.json())], template_hash=codegen.template_hash("bwd"))
     dispatcher = Dispatcher([db])
     monkeypatch.setattr(autoflash.dispatch, "_dispatcher", dispatcher)
     autoflash.attention(q, k, v, is_causal=True).backward(grad)
-    assert any(m is codegen.load(winner) for m in dispatcher._table.values())
+    assert any(m is codegen.load(winner) for m in dispatcher.kernels.values())
     for mine, ref in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, grad, True, 0, 32 ** -0.5)):
         assert rel_error(mine, ref) < 1e-4
 
@@ -175,9 +177,9 @@ def test_backward_reads_grad_out_through_tma_only_when_it_can(monkeypatch):
     both calls give the right gradients."""
     import autoflash
     import autoflash.dispatch
-    from autoflash.measure import reference_grads
+    from autoflash.reference import reference_grads
 
-    assert default_variant("bwd", "float32", 96, True)["LOADS"] == "tma"
+    assert default_for("bwd", "float32", 96, has_tma=True)["LOADS"] == "tma"
     dispatcher = Dispatcher([])  # no DBs: the built-in defaults
     monkeypatch.setattr(autoflash.dispatch, "_dispatcher", dispatcher)
     g = torch.Generator().manual_seed(5)
@@ -187,7 +189,7 @@ def test_backward_reads_grad_out_through_tma_only_when_it_can(monkeypatch):
         for t in (q, k, v):
             t.grad = None
         autoflash.attention(q, k, v, is_causal=True).backward(grad)
-        served = [m.LOADS for key, m in dispatcher._table.items() if key[0] == "bwd"]
+        served = [m.module.LOADS for key, m in dispatcher.kernels.items() if key[0] == "bwd"]
         assert served[-1] == loads
         for mine, ref in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, grad, True, 0, 96 ** -0.5)):
             assert rel_error(mine, ref) < 1e-4

@@ -9,8 +9,10 @@ import torch
 import autoflash
 from autoflash import codegen
 from autoflash.dispatch import Dispatcher
-from autoflash.measure import check, make_inputs, reference, rel_error, sdpa_error
-from autoflash.problem import Shape, gpu_fingerprint
+from autoflash.reference import make_inputs, reference, rel_error, sdpa_error
+from autoflash.tuning.gate import check
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Shape
 from autoflash.space import load_space
 
 pytestmark = pytest.mark.gpu
@@ -75,11 +77,11 @@ def test_default_uses_tma_on_hopper_for_contiguous_inputs():
         pytest.skip("TMA needs compute capability 9")
     untuned = Dispatcher(winner_paths=[])  # the built-in default alone, whatever the shipped DBs hold
     q = torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
-    module = untuned.module_for(q, q, q, torch.empty_like(q), causal=False)
+    module = untuned.kernel_for(q, q, q, torch.empty_like(q), causal=False)
     assert module.LOADS == "tma"
     base = torch.randn(q.numel() + 1, device="cuda", dtype=torch.bfloat16)
     odd = base[1:].view(q.shape)  # base address 2 bytes off a 16-byte boundary -> pointer loads
-    assert untuned.module_for(odd, odd, odd, torch.empty_like(odd), causal=False).LOADS != "tma"
+    assert untuned.kernel_for(odd, odd, odd, torch.empty_like(odd), causal=False).LOADS != "tma"
 
 
 DEFAULTS = [(op, d, c) for op in ("fwd", "bwd") for d in (64, 128, 256) for c in (False, True)]
@@ -89,12 +91,12 @@ DEFAULTS = [(op, d, c) for op in ("fwd", "bwd") for d in (64, 128, 256) for c in
 @pytest.mark.parametrize("op, head_dim, causal", DEFAULTS)
 def test_default_variants_pass_the_gate_on_gpu(op, head_dim, causal, dtype):
     """What untuned problems get: the built-in default (as the dispatcher adjusts it) is gated too."""
-    from autoflash.dispatch import default_variant, nearest_valid
+    from autoflash.space import default_variant
 
     device = gpu_fingerprint()
     for hkv in (8, 2):
         shape = Shape(2, 8, hkv, 1024, 1024, head_dim, causal, dtype, op=op)
-        variant = nearest_valid(default_variant(op, dtype, head_dim, device.cc_major >= 9), shape.problem, device)
+        variant = default_variant(op, shape.problem, device)
         result = check(codegen.load(variant), shape, "cuda")
         assert result.passed, f"{variant.short()}: {result.detail}"
 
@@ -102,7 +104,7 @@ def test_default_variants_pass_the_gate_on_gpu(op, head_dim, causal, dtype):
 def test_shipped_winners_are_served_on_their_gpu():
     """With only the DBs shipped in cache/ (no user DB), the dispatcher serves their winners here."""
     from autoflash.dispatch import WinnerTable
-    from autoflash.problem import load_shape_set
+    from autoflash.shapes import load_shape_set
 
     device, shipped_paths = gpu_fingerprint(), WinnerTable.default_paths()[1:]
     shipped = WinnerTable(device, shipped_paths)
@@ -112,7 +114,7 @@ def test_shipped_winners_are_served_on_their_gpu():
     for shape in load_shape_set("standard"):
         if shape.problem.key in shipped.rows:
             q, k, v = make_inputs(shape, "cuda", seed=9)
-            module = dispatcher.module_for(q, k, v, torch.empty_like(q), shape.causal)
+            module = dispatcher.kernel_for(q, k, v, torch.empty_like(q), shape.causal)
             assert module is codegen.load(shipped.rows[shape.problem.key]), shape.label()
             served += 1
     assert served > 0
@@ -140,7 +142,7 @@ def test_attention_gradients_bf16(causal, monkeypatch):
     q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=5))
     grad = torch.randn_like(q)
     autoflash.attention(q, k, v, is_causal=causal, enable_gqa=True).backward(grad)
-    from autoflash.measure import _sdpa_grads, reference_grads
+    from autoflash.reference import reference_grads, sdpa_grads as _sdpa_grads
 
     refs = reference_grads(q, k, v, grad, causal, 0, 1 / math.sqrt(128), dtype=torch.float32)
     theirs = _sdpa_grads(q, k, v, grad, causal, 0, 1 / math.sqrt(128))

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from autoflash import codegen
-from autoflash.measure import lse_error, make_inputs, reference, rel_error, run_variant
-from autoflash.problem import Shape, gpu_fingerprint
+from autoflash.reference import lse_error, make_inputs, reference, rel_error
+from autoflash.tuning.gate import run_variant
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Shape
 from autoflash.space import load_space
 
 pytestmark = pytest.mark.interpreter

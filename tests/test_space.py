@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from autoflash import codegen
-from autoflash.problem import GPUFingerprint, Problem
+from autoflash.device import GPUFingerprint
+from autoflash.problem import Problem
 from autoflash.space import InvalidVariant, compile_expression, load_space, parse_space
 
 HOPPER = GPUFingerprint("H200-like", 9, 0, 132, 232448, "t", "t", "c", "a")
@@ -115,7 +116,7 @@ def test_render_refuses_undeclared_values():
 
 
 def test_every_named_shape_set_loads_for_both_ops():
-    from autoflash.problem import load_shape_set, shape_set_names
+    from autoflash.shapes import load_shape_set, shape_set_names
 
     assert {"standard", "train", "gqa", "llama", "tiny"} <= set(shape_set_names())
     for name in shape_set_names():
@@ -127,7 +128,8 @@ def test_every_named_shape_set_loads_for_both_ops():
 
 
 def test_heavy_first_is_offered_for_causal_problems_only():
-    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Problem
 
     dev = gpu_fingerprint()
     for op in ("fwd", "bwd"):
@@ -138,7 +140,8 @@ def test_heavy_first_is_offered_for_causal_problems_only():
 
 
 def test_short_names_tell_every_valid_variant_apart():
-    from autoflash.problem import Problem, gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Problem
 
     for op in ("fwd", "bwd"):
         valid = load_space(op).valid_variants(Problem(op, "float16", 64, True, 1, 1024, 1024), gpu_fingerprint())

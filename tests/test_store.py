@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 
-from autoflash.problem import GPUFingerprint, Problem
+from autoflash.device import GPUFingerprint
+
+from autoflash.problem import Problem
 from autoflash.store import SCHEMA_VERSION, Store, StoreError
 
 GPU = GPUFingerprint("Test GPU", 9, 0, 132, 232448, "2.x", "3.6", "13.0", "0.1")

@@ -59,7 +59,7 @@ def test_padded_batch_keeps_its_mask_through_the_fallback(model):
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding in the second sequence
     name = aft.register()
-    api._warned_reasons.clear()
+    api.reset()
     with pytest.warns(api.FallbackWarning, match="attn_mask"):
         ours = logits(model, name, ids, attention_mask=mask)
     with warnings.catch_warnings():

@@ -14,13 +14,16 @@ import zlib
 import pytest
 from click.testing import CliRunner
 
-from autoflash import measure
+from autoflash.tuning import gate, sandbox
 from autoflash.cli import cli
-from autoflash.dispatch import default_variant, nearest_valid
-from autoflash.problem import Problem, Shape, gpu_fingerprint, load_shape_set
+from autoflash.space import default_variant
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Problem, Shape
+from autoflash.shapes import load_shape_set
 from autoflash.space import load_space
 from autoflash.store import Store
-from autoflash.tune import TuneOptions, replay_search, tune
+from autoflash.tuning.search_quality import replay_search
+from autoflash.tuning.tuner import TuneOptions, tune
 
 pytestmark = pytest.mark.interpreter
 
@@ -40,7 +43,7 @@ def faulty_evaluate(variant_json, op, shape, rep_ms, device):
         time.sleep(600)  # injected hang: the per-trial timeout must end it
     if n == 2:
         os._exit(7)  # injected: the worker process dies
-    return measure.evaluate_variant(variant_json, op, shape, rep_ms, device)
+    return sandbox.evaluate_variant(variant_json, op, shape, rep_ms, device)
 
 
 def test_tune_interpret_cli_end_to_end(tmp_path):
@@ -97,23 +100,23 @@ def test_faults_are_recorded_and_the_run_still_stores_a_winner(tmp_path, monkeyp
 
 def tiny_default():
     device = gpu_fingerprint()
-    return nearest_valid(default_variant("fwd", "float16", 64, device.cc_major >= 9), TINY.problem, device)
+    return default_variant("fwd", TINY.problem, device)
 
 
 def wrong_default(variant_json, op, shape, rep_ms, device):
     """The default variant (always the first candidate) gets its output corrupted by 1%."""
     if variant_json != tiny_default().json():
-        return measure.evaluate_variant(variant_json, op, shape, rep_ms, device)
-    real_run = measure.run_variant
+        return sandbox.evaluate_variant(variant_json, op, shape, rep_ms, device)
+    real_run = gate.run_variant
 
     def corrupted(*args, **kwargs):
         out, lse = real_run(*args, **kwargs)
         return out * 1.01, lse
-    measure.run_variant = corrupted
+    gate.run_variant = corrupted
     try:
-        return measure.evaluate_variant(variant_json, op, shape, rep_ms, device)
+        return sandbox.evaluate_variant(variant_json, op, shape, rep_ms, device)
     finally:
-        measure.run_variant = real_run
+        gate.run_variant = real_run
 
 
 def test_a_wrong_kernel_is_recorded_and_never_wins(tmp_path):
@@ -190,7 +193,11 @@ def test_global_budget_is_shared_and_respected(tmp_path):
     winner, and each stops well before its (large) trial budget."""
     store = Store(tmp_path / "t.db")
     shapes = load_shape_set("tiny")
-    results = tune(shapes, store, TuneOptions(trials=1000, budget_s=8, interpret=True))
+    ticks = iter(range(10**9))
+    # A clock that advances 0.1 "s" each time the tuner looks: the budget's arithmetic, not this
+    # machine's speed, decides how far each problem gets.
+    results = tune(shapes, store, TuneOptions(trials=1000, budget_s=8, interpret=True,
+                                              clock=lambda: next(ticks) * 0.1))
     assert [r.status for r in results] == ["tuned"] * len(shapes)
     for r in results:
         assert 1 <= r.measured < len(load_space("fwd").valid_variants(r.problem, gpu_fingerprint()))

@@ -47,7 +47,7 @@ def space(op, dtype, head_dim, causal, list_variants):
 
     Example: autoflash space --op fwd --head-dim 64 --causal
     """
-    from autoflash.problem import gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
     from autoflash.space import count_by_constraint, load_space
 
     sp = load_space(op)
@@ -88,15 +88,14 @@ def render(op, dtype, head_dim, causal, variant_json):
     Example: autoflash render --op fwd --variant '{"BLOCK_M": 64, "LOADS": "block_ptr"}'
     """
     from autoflash import codegen
-    from autoflash.dispatch import default_variant
-    from autoflash.problem import gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
     from autoflash.space import InvalidVariant, load_space, parse_variant_json
 
     device = gpu_fingerprint()
     problem = _problem(op, dtype, head_dim, causal)
     try:
         given = parse_variant_json(op, variant_json)
-        values = {**default_variant(op, dtype, head_dim, device.cc_major >= 9).as_dict(), **given}
+        values = {**load_space(op).default_for(problem, device).as_dict(), **given}
         variant = load_space(op).validate(values, problem, device)
     except InvalidVariant as e:
         raise click.ClickException(f"invalid variant: {e}") from None
@@ -108,7 +107,7 @@ def _use_interpreter() -> None:
     the GPU fingerprint becomes the interpreter's."""
     import os
 
-    from autoflash.problem import gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
 
     os.environ["TRITON_INTERPRET"] = "1"
     gpu_fingerprint.cache_clear()
@@ -117,7 +116,7 @@ def _use_interpreter() -> None:
 def _require_gpu(what: str, hint: str = "") -> None:
     import torch
 
-    from autoflash.problem import interpreter_enabled
+    from autoflash.device import interpreter_enabled
 
     if not torch.cuda.is_available() or interpreter_enabled():
         raise click.ClickException(f"{what} needs a CUDA GPU: none is visible here.{hint}")
@@ -160,8 +159,10 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, o
     else:
         _require_gpu("autoflash bench", " Use --interpret to check the pipeline on tiny shapes on the CPU.")
     from autoflash import bench as bench_mod
-    from autoflash.dispatch import default_variant, get_dispatcher
-    from autoflash.problem import gpu_fingerprint, load_shape_set
+    from autoflash.dispatch import get_dispatcher
+    from autoflash.space import default_variant
+    from autoflash.device import gpu_fingerprint
+    from autoflash.shapes import load_shape_set
 
     device = gpu_fingerprint()
     if overhead:
@@ -207,8 +208,8 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, o
         return
     disp = get_dispatcher()
     choosers = {
-        "autoflash": lambda s: disp.variant_for(s.problem, device, tma_ok=True),
-        "default": lambda s: default_variant(op, s.dtype, s.head_dim, device.cc_major >= 9),
+        "autoflash": lambda s: disp.variant_for(s.problem, device),
+        "default": lambda s: default_variant(op, s.problem, device),
     }
     templates = None
     if baseline_template:  # the dispatched variant again, rendered from the other template
@@ -324,8 +325,9 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from autoflash import tune as tune_mod
-    from autoflash.problem import gpu_fingerprint, load_shape_set
+    from autoflash.tuning import tuner as tune_mod
+    from autoflash.device import gpu_fingerprint
+    from autoflash.shapes import load_shape_set
     from autoflash.store import Store, StoreError
 
     op_list = [o.strip() for o in ops.split(",") if o.strip()]
@@ -398,9 +400,9 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
     """
     import statistics
 
-    from autoflash.problem import GPUFingerprint
+    from autoflash.device import GPUFingerprint
     from autoflash.store import Store
-    from autoflash.tune import search_quality
+    from autoflash.tuning.search_quality import search_quality
 
     store = Store(db_path, readonly=True)
     gpu_columns = [d[0] for d in store.db.execute("select * from gpus limit 0").description]
@@ -434,7 +436,7 @@ def info():
     """
     from autoflash import codegen
     from autoflash.dispatch import WinnerTable
-    from autoflash.problem import gpu_fingerprint
+    from autoflash.device import gpu_fingerprint
 
     device = gpu_fingerprint()
     t = Table(title="autoflash info", show_header=False)
@@ -473,7 +475,8 @@ def which(shapes, op, interpret):
     if interpret:
         _use_interpreter()
     from autoflash.dispatch import get_dispatcher
-    from autoflash.problem import gpu_fingerprint, load_shape_set
+    from autoflash.device import gpu_fingerprint
+    from autoflash.shapes import load_shape_set
 
     device = gpu_fingerprint()
     disp = get_dispatcher()
@@ -483,8 +486,9 @@ def which(shapes, op, interpret):
     for shape in load_shape_set(shapes):
         problem = dataclasses.replace(shape, op=op).problem
         _, how, origin = disp.winners(device).explain(problem)
-        variant = disp.variant_for(problem, device, tma_ok=True)
-        t.add_row(shape.label(), problem.key, how, Path(origin).name if origin else "built-in", variant.short())
+        variant = disp.variant_for(problem, device)
+        t.add_row(shape.label(), problem.key, how, Path(origin).name if origin else "built-in",
+                  f"{variant.family}: {variant.short()}")
     console.print(t)
 
 

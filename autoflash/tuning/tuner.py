@@ -21,18 +21,20 @@ import dataclasses
 import json
 import math
 import os
-import queue
 import statistics
 import time
 from typing import Callable
 
 import optuna
 
-from autoflash import codegen, measure, resources
-from autoflash.dispatch import default_variant, nearest_valid
-from autoflash.problem import GPUFingerprint, Problem, Shape, gpu_fingerprint
-from autoflash.space import Variant, load_space
+from autoflash import codegen, resources
+from autoflash.device import GPUFingerprint, gpu_fingerprint
+from autoflash.problem import Problem, Shape
+from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
+from autoflash.tuning import sandbox
+from autoflash.tuning.sandbox import Outcome, Sandbox
+from autoflash.tuning.timing import tflops
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -50,7 +52,9 @@ class TuneOptions:
     trial_timeout_s: float = 180
     seed: int = 0
     interpret: bool = False
-    # Test hooks: picklable top-level functions with measure.evaluate_variant's signature.
+    # The budget's clock (injectable: tests of the budget must not depend on this machine's speed).
+    clock: Callable[[], float] = time.monotonic
+    # Test hooks: picklable top-level functions with sandbox.evaluate_variant's signature.
     evaluate_fn: Callable | None = None
     compile_fn: Callable | None = None
 
@@ -68,7 +72,7 @@ class ProblemResult:
     cut_short: bool = False  # the time budget ended the search before its trial budget
 
     def tflops(self, method: str) -> float:
-        return measure.tflops(self.shape, self.ms.get(method, float("nan")))
+        return tflops(self.shape, self.ms.get(method, float("nan")))
 
 
 class Reporter:
@@ -83,40 +87,6 @@ def optuna_storage_path(db_path) -> str:
     return f"{db_path}.optuna.journal"
 
 
-class _WorkerPool:
-    """N sandboxes used from threads: each thread takes a free sandbox, uses it, gives it back."""
-
-    def __init__(self, n: int, device: str, env: dict):
-        self._free: queue.Queue = queue.Queue()
-        self._all = [measure.Sandbox(device, env) for _ in range(n)]
-        for sb in self._all:
-            self._free.put(sb)
-        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=n)
-        self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-
-    def start(self, timeout_s: float) -> None:
-        """Start every worker (torch import, CUDA context) before any budget clock runs."""
-        self.map(measure.ping, [()] * len(self._all), timeout_s)
-
-    def map_async(self, fn, args_list: list[tuple], timeout_s: float) -> concurrent.futures.Future:
-        return self._background.submit(self.map, fn, args_list, timeout_s)
-
-    def map(self, fn, args_list: list[tuple], timeout_s: float) -> list:
-        def one(args):
-            sb = self._free.get()
-            try:
-                return sb.call(fn, args, timeout_s)
-            finally:
-                self._free.put(sb)
-        return list(self._threads.map(one, args_list))
-
-    def close(self):
-        self._background.shutdown(wait=True)
-        self._threads.shutdown(wait=True)
-        for sb in self._all:
-            sb.close()
-
-
 class Tuner:
     def __init__(self, store: Store, options: TuneOptions, device: GPUFingerprint | None = None,
                  reporter: Reporter | None = None, command: str = ""):
@@ -124,6 +94,7 @@ class Tuner:
         self.opt = options
         self.device = device or gpu_fingerprint()
         self.reporter = reporter or Reporter()
+        self.clock = options.clock
         self.device_str = "cpu" if options.interpret else "cuda"
         env = {"TRITON_INTERPRET": "1"} if options.interpret else {}
         if os.environ.get("AUTOFLASH_KERNEL_CACHE"):
@@ -132,14 +103,14 @@ class Tuner:
         self.shipped_winners = self._read_shipped_winners()  # warm-start seeds, read once per run
         store.mark_dead_runs()  # runs a kill left 'running' (their trials are kept and resumed)
         self.run_id = store.start_run(self.gpu_key, command)
-        self.sandbox = measure.Sandbox(self.device_str, env)
-        self.compilers = None if options.interpret else _WorkerPool(options.compile_workers, self.device_str, env)
+        self.sandbox = Sandbox(self.device_str, env)
+        self.compilers = None if options.interpret else sandbox.WorkerPool(options.compile_workers, self.device_str, env)
         self.journal = optuna.storages.JournalStorage(
             optuna.storages.journal.JournalFileBackend(optuna_storage_path(store.path)))
         self.total_measured = 0
         # Workers start before the first problem's clock (start-up is not charged to one problem;
         # `tune` charges it to the run's budget, which it then splits over the problems).
-        self.sandbox.call(measure.ping, (), options.trial_timeout_s)
+        self.sandbox.call(sandbox.ping, (), options.trial_timeout_s)
         if self.compilers:
             self.compilers.start(options.trial_timeout_s)
 
@@ -151,47 +122,71 @@ class Tuner:
 
     # ------------------------------------------------------------------ one problem
     def tune_problem(self, shape: Shape, deadline: float | None) -> ProblemResult:
+        """Search every kernel family of the problem's op that has valid variants here (the trial
+        budget split between them), then re-measure the best of all families together."""
         problem = shape.problem
-        op = problem.op
-        space = load_space(op)
-        thash = codegen.template_hash(op)
-        valid = space.valid_variants(problem, self.device)
-        if not valid:
+        valid = {f: load_space(f).valid_variants(problem, self.device) for f in families_for(problem.op)}
+        families = [f for f in valid if valid[f]]
+        if not families:
             return ProblemResult(shape, problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
-        default = nearest_valid(default_variant(op, problem.dtype, problem.head_dim, self.device.cc_major >= 9),
-                                problem, self.device)
-        done = {r["variant"]: r for r in self.store.trials_for(self.gpu_key, problem.key, thash)}
-        budget = min(self.opt.trials, len(valid))
-        if len(valid) <= self.opt.trials:
+        default = default_variant(problem.op, problem, self.device)
+        done: dict[str, dict] = {}  # "family:variant json" -> trial row
+        measured = failed = 0
+        for n, family in enumerate(families):
+            family_deadline = deadline
+            if deadline is not None:  # the families left share the time left
+                family_deadline = self.clock() + (deadline - self.clock()) / (len(families) - n)
+            trials = max(1, (self.opt.trials - measured) // (len(families) - n))
+            m, f = self._search(shape, family, valid[family], default, done, trials, family_deadline)
+            measured, failed = measured + m, failed + f
+        cut_short = deadline is not None and self.clock() >= deadline and measured < self.opt.trials
+        result = self._pick_winner(shape, problem, done, default, measured, failed)
+        result.cut_short = cut_short
+        return result
+
+    def _search(self, shape: Shape, family: str, valid: list[Variant], default: Variant, done: dict, trials: int,
+                deadline: float | None) -> tuple[int, int]:
+        """One family's search for `shape`'s problem over its `valid` variants; fills `done`,
+        returns (measured, failed)."""
+        problem = shape.problem
+        space = load_space(family)
+        thash = codegen.template_hash(family)
+        first = default if default.family == family else space.nearest_valid(space.default_for(problem, self.device),
+                                                                             problem, self.device)
+        mine = {r["variant"]: r for r in self.store.trials_for(self.gpu_key, problem.key, thash)}
+        done.update({f"{family}:{k}": r for k, r in mine.items()})
+        budget = min(trials, len(valid))
+        if len(valid) <= trials:
             # Brute force: the whole space fits the budget, so no sampler; default first, then the
             # declared order. (The DB alone makes this resumable.)
             study = None
-            queue_ = [default] + [v for v in valid if v != default]
+            queue_ = [first] + [v for v in valid if v != first]
         else:
             study = optuna.create_study(
                 study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
-                load_if_exists=True, sampler=make_sampler(self.opt.seed, self.opt.trials))
+                load_if_exists=True, sampler=make_sampler(self.opt.seed, trials))
             if not study.trials:
-                for seed_variant in self._seeds(default, problem, thash, budget):
+                for seed_variant in self._seeds(first, problem, thash, budget):
                     study.enqueue_trial(seed_variant.as_dict(), skip_if_exists=True)
 
-        measured = sum(1 for r in done.values() if r["status"] != "pruned")
-        failed = sum(1 for r in done.values() if r["status"] in FAILED_STATUSES)
+        measured = sum(1 for r in mine.values() if r["status"] != "pruned")
+        failed = 0
         best = min((r["median_ms"] for r in done.values() if r["status"] == "ok" and r["median_ms"]), default=math.inf)
         batch_size = self.compilers and self.opt.compile_workers or 1
 
         def time_left() -> bool:
-            return deadline is None or time.monotonic() < deadline
+            # (the first candidate is measured even past the deadline: every problem gets a winner)
+            return deadline is None or measured == 0 or self.clock() < deadline
 
         def next_batch(n: int, stale: int = 0):
             """Ask for up to n new candidates and start compiling them (in the background)."""
             if study is None:
-                batch = [(None, v) for v in queue_ if v.json() not in done][:n] if n > 0 and time_left() else []
+                batch = [(None, v) for v in queue_ if v.json() not in mine][:n] if n > 0 and time_left() else []
                 taken = {v for _, v in batch}
                 queue_[:] = [v for v in queue_ if v not in taken]
                 return (batch, self._compile_async(batch, shape)) if batch else None
             while n > 0 and time_left() and stale <= 3:
-                batch = self._ask_batch(study, space, problem, done, n)
+                batch = self._ask_batch(study, space, problem, mine, n)
                 if batch:
                     return batch, self._compile_async(batch, shape)
                 stale += 1  # the sampler keeps proposing known or invalid variants: nearly exhausted
@@ -208,12 +203,12 @@ class Tuner:
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
                 if c.status == "crashed":  # the compile worker died: the compiler aborted on this variant
-                    c = measure.Outcome("compile_error", message=f"compiler crashed: {c.message}", seconds=c.seconds)
+                    c = Outcome("compile_error", message=f"compiler crashed: {c.message}", seconds=c.seconds)
                 outcome = c if c.status != "ok" else self.sandbox.evaluate(
                     variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s,
                     fn=self.opt.evaluate_fn)
                 row = self._record(problem, thash, variant, outcome, shape)
-                done[variant.json()] = row
+                mine[variant.json()] = done[f"{family}:{variant.json()}"] = row
                 measured += 1
                 self.total_measured += 1
                 if outcome.status == "ok" and math.isfinite(outcome.ms):
@@ -222,11 +217,8 @@ class Tuner:
                 else:
                     failed += 1
                     _tell(study, trial, state=optuna.trial.TrialState.FAIL)
-                self.reporter.trial_done(measured, budget, variant, outcome, measure.tflops(shape, best))
-        cut_short = measured < budget and not time_left()  # (not the sampler running out of new variants)
-        result = self._pick_winner(shape, problem, thash, done, default, measured, failed)
-        result.cut_short = cut_short
-        return result
+                self.reporter.trial_done(measured, budget, variant, outcome, tflops(shape, best))
+        return measured, failed
 
     def _seeds(self, default: Variant, problem: Problem, thash: str, budget: int) -> list[Variant]:
         """The default and known-good variants: this problem's winners under earlier versions of the
@@ -235,10 +227,12 @@ class Tuner:
         default and of the first earlier winner; then other problems' winners of the same dtype
         and head dim."""
         seeds = [default]
-        space = load_space(problem.op)
+        space = load_space(default.family)
         rows = self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim)
         rows += [w for w in self.shipped_winners if w["op"] == problem.op and w["head_dim"] == problem.head_dim]
-        earlier = [w for w in rows if w["problem"] == problem.key and w["template_hash"] != thash]
+        # (rows of the op's other current families are another space's knobs: not seeds here)
+        earlier = [w for w in rows if w["problem"] == problem.key and w["template_hash"] != thash
+                   and codegen.family_for_hash(problem.op, w["template_hash"]) is None]
         others = [w for w in rows if w["problem"] != problem.key and w["template_hash"] == thash
                   and w["dtype"] == problem.dtype]
         seeds += self._valid_variants(earlier, default, problem, thash, space)
@@ -314,14 +308,14 @@ class Tuner:
     def _compile_async(self, batch: list, shape: Shape) -> concurrent.futures.Future:
         if self.compilers is None:  # the interpreter compiles nothing
             done = concurrent.futures.Future()
-            done.set_result([measure.Outcome("ok") for _ in batch])
+            done.set_result([Outcome("ok") for _ in batch])
             return done
-        fn = self.opt.compile_fn or measure.compile_variant
-        args = [(v.json(), v.op, shape, self.opt.rep_ms, self.device_str) for _, v in batch]
+        fn = self.opt.compile_fn or sandbox.compile_variant
+        args = [(v.json(), v.family, shape, self.opt.rep_ms, self.device_str) for _, v in batch]
         return self.compilers.map_async(fn, args, self.opt.trial_timeout_s)
 
     def _record(self, problem, thash, variant, outcome, shape) -> dict:
-        tf = measure.tflops(shape, outcome.ms) if outcome.status == "ok" else None
+        tf = tflops(shape, outcome.ms) if outcome.status == "ok" else None
         self.store.add_trial(run_id=self.run_id, gpu_key=self.gpu_key, problem=problem, template_hash=thash,
                              variant_json=variant.json(), status=outcome.status, median_ms=outcome.ms,
                              tflops=tf, err=outcome.err, sdpa_err=outcome.sdpa_err, message=outcome.message,
@@ -329,47 +323,58 @@ class Tuner:
         return {"variant": variant.json(), "status": outcome.status,
                 "median_ms": outcome.ms if outcome.status == "ok" else None}
 
-    def _pick_winner(self, shape, problem, thash, done, default, measured, failed) -> ProblemResult:
-        ok = sorted((r for r in done.values() if r["status"] == "ok" and r["median_ms"]),
-                    key=lambda r: r["median_ms"])
+    def _pick_winner(self, shape, problem, done, default, measured, failed) -> ProblemResult:
+        """Re-measure the top candidates of all families interleaved (with the default, the stored
+        winner and SDPA); store the lowest median, unless the stored winner is within the noise band."""
+        ok = sorted((key for key, r in done.items() if r["status"] == "ok" and r["median_ms"]),
+                    key=lambda key: done[key]["median_ms"])
         if not ok:
             return ProblemResult(shape, problem, None, {}, math.nan, measured, failed, "no_valid_candidate")
-        top = [r["variant"] for r in ok[: self.opt.top_k]]
-        passed = {r["variant"] for r in ok}
-        if default.json() in passed:
-            top.append(default.json())  # a gated default competes in the final round too
-        previous = self.store.winner(self.gpu_key, problem.key, thash)
-        incumbent = previous["variant"] if previous and previous["variant"] in passed else None
+        top = ok[: self.opt.top_k]
+        default_key = f"{default.family}:{default.json()}"
+        if default_key in ok:
+            top.append(default_key)  # a gated default competes in the final round too
+        incumbent = self._incumbent(problem, set(ok))
         if incumbent:
             top.append(incumbent)
         top = list(dict.fromkeys(top))
-        methods = list(dict.fromkeys(top + [default.json()]))
+        methods = list(dict.fromkeys(top + [default_key]))
         if not self.opt.interpret:
             methods += ["sdpa_cudnn", "sdpa_flash"]
-        result = self.sandbox.call(measure.remeasure, (methods, problem.op, shape, self.opt.rounds,
+        result = self.sandbox.call(sandbox.remeasure, (methods, problem.op, shape, self.opt.rounds,
                                                        self.opt.rep_ms, self.device_str), self.opt.trial_timeout_s)
-        if isinstance(result, measure.Outcome):  # the re-measure itself failed: keep the search's order
-            samples = {m: [r["median_ms"]] for m, r in ((m, done[m]) for m in top)}
+        if isinstance(result, Outcome):  # the re-measure itself failed: keep the search's order
+            samples = {m: [done[m]["median_ms"]] for m in top}
         else:
             samples = result["samples"]
         medians = {m: _median(samples.get(m, [])) for m in methods}
-        winner_json = min(top, key=lambda m: medians[m] if math.isfinite(medians[m]) else math.inf)
-        spread = _spread(samples.get(winner_json, []))
+        winner_key = min(top, key=lambda m: medians[m] if math.isfinite(medians[m]) else math.inf)
+        spread = _spread(samples.get(winner_key, []))
         # Noise band: a re-tune keeps the stored winner unless a challenger beats it by more than
         # the winner's own round-to-round spread (at least 1%), so winners do not flap on noise.
         band = max(0.01, spread)
-        if incumbent and winner_json != incumbent and medians[incumbent] <= medians[winner_json] * (1 + band):
-            winner_json = incumbent
-            spread = _spread(samples.get(winner_json, []))
-        ms = {"tuned": medians[winner_json], "default": medians.get(default.json(), math.nan),
+        if incumbent and winner_key != incumbent and medians[incumbent] <= medians[winner_key] * (1 + band):
+            winner_key = incumbent
+            spread = _spread(samples.get(winner_key, []))
+        ms = {"tuned": medians[winner_key], "default": medians.get(default_key, math.nan),
               "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
-        winner = Variant.of(problem.op, json.loads(winner_json))
-        self.store.set_winner(gpu_key=self.gpu_key, problem=problem, template_hash=thash, variant_json=winner_json,
-                              median_ms=ms["tuned"], spread=spread, tflops=measure.tflops(shape, ms["tuned"]),
-                              trials=measured, run_id=self.run_id, default_ms=ms["default"],
-                              sdpa_cudnn_ms=ms["sdpa_cudnn"], sdpa_flash_ms=ms["sdpa_flash"],
-                              shape=dataclasses.asdict(shape))
+        family, _, winner_json = winner_key.partition(":")
+        winner = Variant.of(family, json.loads(winner_json))
+        self.store.set_winner(gpu_key=self.gpu_key, problem=problem, template_hash=codegen.template_hash(family),
+                              variant_json=winner_json, median_ms=ms["tuned"], spread=spread,
+                              tflops=tflops(shape, ms["tuned"]), trials=measured, run_id=self.run_id,
+                              default_ms=ms["default"], sdpa_cudnn_ms=ms["sdpa_cudnn"],
+                              sdpa_flash_ms=ms["sdpa_flash"], shape=dataclasses.asdict(shape),
+                              replaces=[codegen.template_hash(f) for f in families_for(problem.op)])
         return ProblemResult(shape, problem, winner, ms, spread, measured, failed, "tuned")
+
+    def _incumbent(self, problem, passed: set) -> str | None:
+        """The stored winner of this problem (any current family), when it passed this run's gate."""
+        for family in families_for(problem.op):
+            row = self.store.winner(self.gpu_key, problem.key, codegen.template_hash(family))
+            if row and f"{family}:{row['variant']}" in passed:
+                return f"{family}:{row['variant']}"
+        return None
 
 
 def _tell(study, trial, value=None, state=None) -> None:
@@ -390,69 +395,6 @@ def make_sampler(seed: int, trials: int) -> optuna.samplers.BaseSampler:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(multivariate=True, group=True, seed=seed,
                                           n_startup_trials=min(10, max(3, trials // 4)))
-
-
-def replay_search(table: dict, problem: Problem, device: GPUFingerprint, trials: int, seed: int,
-                  first: Variant | None = None) -> list[float]:
-    """Run the tuner's sampler against recorded measurements (variant JSON -> ms; missing = failed).
-
-    Returns the objective of each measured trial in search order. With an exhaustive table this
-    tells how many trials the search needs to come within x% of the true best.
-    """
-    space = load_space(problem.op)
-    study = optuna.create_study(direction="minimize", sampler=make_sampler(seed, trials))
-    if first is not None:
-        study.enqueue_trial(first.as_dict())
-    out, seen, attempts = [], set(), 0
-    while len(out) < trials and attempts < 200 * trials:
-        attempts += 1
-        trial = study.ask()
-        variant = space.suggest(trial)
-        key = variant.json()
-        if space.violations(variant, problem, device) or key in seen:
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            continue
-        seen.add(key)
-        ms = table.get(key)
-        if ms is None or not math.isfinite(ms):
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            out.append(math.inf)
-        else:
-            study.tell(trial, ms)
-            out.append(ms)
-    return out
-
-
-def trials_to_reach(sequence: list[float], best: float, tolerance: float) -> int | None:
-    """1-based index of the first trial whose running best is within `tolerance` of `best`."""
-    running = math.inf
-    for i, ms in enumerate(sequence, 1):
-        running = min(running, ms)
-        if running <= best * (1 + tolerance):
-            return i
-    return None
-
-
-def search_quality(table: dict, problem: Problem, device: GPUFingerprint, seeds: int, trials: int,
-                   tolerance: float = 0.02) -> dict:
-    """Trials the tuner's sampler needs to come within `tolerance` of an exhaustive table's best,
-    per seed, against random search (200 shuffles) on the same table."""
-    import random
-
-    best = min(table.values())
-    default = nearest_valid(default_variant(problem.op, problem.dtype, problem.head_dim, device.cc_major >= 9),
-                            problem, device)
-    tpe = [trials_to_reach(replay_search(table, problem, device, trials, seed, first=default), best, tolerance)
-           for seed in range(seeds)]
-    keys = sorted(table)
-    rnd = []
-    for seed in range(200):
-        order = keys[:]
-        random.Random(seed).shuffle(order)
-        rnd.append(trials_to_reach([table[k] for k in order], best, tolerance))
-    return {"space": len(table), "best_ms": best, "default_ms": table.get(default.json()),
-            "within_tolerance": sum(ms <= best * (1 + tolerance) for ms in table.values()),
-            "tpe": tpe, "random_median": statistics.median(rnd)}
 
 
 def _spread(xs) -> float:
@@ -481,7 +423,7 @@ def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Repo
          command: str = "") -> list[ProblemResult]:
     """Tune every problem of `shapes`; returns one result per problem. Safe to interrupt and re-run."""
     reporter = reporter or Reporter()
-    start = time.monotonic()  # the budget covers the whole run, the workers' start-up included
+    start = options.clock()  # the budget covers the whole run, the workers' start-up included
     tuner = Tuner(store, options, reporter=reporter, command=command)
     todo = representative_shapes(shapes)
     results: list[ProblemResult] = []
@@ -490,11 +432,11 @@ def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Repo
         for i, shape in enumerate(todo):
             deadline = None
             if options.budget_s is not None:
-                left = options.budget_s - (time.monotonic() - start)
+                left = options.budget_s - (options.clock() - start)
                 if left <= 0:
                     results.append(ProblemResult(shape, shape.problem, None, {}, math.nan, 0, 0, "skipped", True))
                     continue
-                deadline = time.monotonic() + left / (len(todo) - i)
+                deadline = options.clock() + left / (len(todo) - i)
             reporter.problem_started(i, len(todo), shape)
             result = tuner.tune_problem(shape, deadline)
             results.append(result)

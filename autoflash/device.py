@@ -1,0 +1,63 @@
+"""The device a result belongs to: the GPU fingerprint (chip and software stack), and whether
+kernels run in Triton's CPU interpreter instead."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import platform
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUFingerprint:
+    """What a tuned result depends on besides the problem: the chip and the software stack."""
+
+    name: str
+    cc_major: int
+    cc_minor: int
+    sm_count: int
+    smem_per_block: int  # bytes, opt-in maximum
+    torch_version: str
+    triton_version: str
+    cuda_version: str
+    autoflash_version: str
+
+    @property
+    def key(self) -> str:
+        """The GPU part of a DB key. Versions are part of it: a new Triton may change the winner."""
+        return (f"{self.name}|sm{self.cc_major}{self.cc_minor}|{self.sm_count}sm"
+                f"|torch{self.torch_version}|triton{self.triton_version}|cuda{self.cuda_version}")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_fingerprint(device_index: int | None = None) -> GPUFingerprint:
+    """Fingerprint of the current CUDA device, or of the CPU interpreter when there is none."""
+    import torch
+    import triton
+
+    from autoflash import __version__
+
+    versions = dict(torch_version=torch.__version__, triton_version=triton.__version__,
+                    cuda_version=str(torch.version.cuda), autoflash_version=__version__)
+    if torch.cuda.is_available() and not interpreter_enabled():
+        idx = torch.cuda.current_device() if device_index is None else device_index
+        props = torch.cuda.get_device_properties(idx)
+        smem = getattr(props, "shared_memory_per_block_optin", 0) or 49152
+        return GPUFingerprint(name=props.name, cc_major=props.major, cc_minor=props.minor,
+                              sm_count=props.multi_processor_count, smem_per_block=int(smem),
+                              **versions)
+    # The interpreter has no hardware limits or compiler bugs; report a recent compute capability
+    # and Hopper's shared memory so every structural variant can be checked on the CPU.
+    return GPUFingerprint(name=f"triton-interpreter ({platform.machine()})", cc_major=10, cc_minor=0,
+                          sm_count=1, smem_per_block=232448, **versions)
+
+

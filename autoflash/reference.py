@@ -1,0 +1,121 @@
+"""The yardsticks: random inputs, the float64 reference, error measures, and torch SDPA.
+
+Everything that says what the right answer is lives here, below both the public API (whose
+fallback is `sdpa_attention`) and the tuning side (whose gate compares candidates with
+`reference` and with SDPA's own error). It imports neither.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autoflash.problem import Shape
+
+
+def make_inputs(shape: Shape, device, seed: int = 0, layout: str = "bhnd"):
+    """Random normal q, k, v in (B, H, N, D) form. layout='bnhd' returns (B,N,H,D)-strided views."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+
+    def rand(b, n, h):
+        t = torch.randn((b, n, h, shape.head_dim), generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+        return t.transpose(1, 2) if layout == "bnhd" else t.transpose(1, 2).contiguous()
+
+    q = rand(shape.batch, shape.seqlen_q, shape.heads_q)
+    k = rand(shape.batch, shape.seqlen_k, shape.heads_kv)
+    v = rand(shape.batch, shape.seqlen_k, shape.heads_kv)
+    return q, k, v
+
+
+def causal_offset_for(shape: Shape, align: str) -> int:
+    return shape.seqlen_k - shape.seqlen_q if align == "bottom_right" else 0
+
+
+def reference(q, k, v, causal: bool, causal_offset: int, scale: float, dtype=torch.float64):
+    """(out, lse) in `dtype` from the math definition. Rows with no visible key: out 0, lse +inf."""
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(q.shape[2], device=q.device)[:, None]
+        j = torch.arange(k.shape[2], device=q.device)[None, :]
+        s = s.masked_fill(j > i + causal_offset, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    return p @ v, lse
+
+
+def rel_error(x, ref) -> float:
+    x = x.to(ref.dtype)
+    if torch.isnan(x).any():
+        return float("nan")
+    denom = ref.norm().item()
+    return (x - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def lse_error(lse, ref_lse) -> float:
+    if torch.isnan(lse).any():
+        return float("nan")
+    ref_lse = ref_lse.to(lse.device)
+    finite = torch.isfinite(ref_lse)
+    if not bool((lse[~finite] == float("inf")).all()):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    return (lse.double()[finite] - ref_lse.double()[finite]).abs().max().item()
+
+
+def sdpa_error(q, k, v, causal: bool, causal_offset: int, scale: float, ref_out) -> float:
+    """torch SDPA's own error in the input dtype (the yardstick for the gate)."""
+    out = sdpa_attention(q, k, v, None, 0.0, causal, causal_offset, scale)
+    return rel_error(out, ref_out)
+
+
+def sdpa_attention(q, k, v, attn_mask, dropout_p, causal, causal_offset, scale):
+    """torch SDPA on (B, H, N, D) tensors, with bottom-right causal expressed as a mask."""
+    import torch.nn.functional as F
+
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # portable GQA (enable_gqa is not supported by every backend)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if causal and causal_offset != 0:
+        nq, nk = q.shape[2], k.shape[2]
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        mask = j <= i + causal_offset
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        return out.masked_fill(~mask.any(dim=1)[:, None], 0.0)  # rows with no visible key: 0, as flash-attn
+    if scale is not None and not float(scale) > 0:
+        # Seen with torch 2.11 on CPU: the default SDPA backend returns NaN for a causal mask with
+        # a scale <= 0; the math backend does not.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=causal, scale=scale)
+
+
+def sdpa_grads(q, k, v, grad, causal, offset, scale):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sdpa_attention(*leaves, None, 0.0, causal, offset, scale).backward(grad)
+    return [t.grad for t in leaves]
+
+
+def reference_grads(q, k, v, grad, causal, offset, scale, dtype=torch.float64):
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, _ = reference(*leaves, causal, offset, scale, dtype=dtype)
+    out.backward(grad.to(dtype))
+    return [t.grad for t in leaves]
+
+
+def sdpa_backend(name: str):
+    """'cudnn' / 'flash' (optionally 'sdpa_'-prefixed) -> torch's SDPBackend member."""
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name.removeprefix("sdpa_")]

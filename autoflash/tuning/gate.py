@@ -1,0 +1,148 @@
+"""The correctness gate: a candidate kernel is checked against the float64 reference before anyone
+times it.
+
+Correct first: every candidate's output is poisoned (NaN) before the run and compared with a
+float64 reference on random, ragged inputs; it passes when its error is at most 2x torch SDPA's
+own error in the same dtype (3x for gradients), never NaN. Kernels are built through codegen,
+never through the public API: a backward candidate gets its O and LSE from the forward family's
+default kernel, so the gate never touches the dispatcher, the DB or tune-on-miss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from autoflash import codegen
+from autoflash.codegen import Kernel
+from autoflash.device import gpu_fingerprint, interpreter_enabled
+from autoflash.problem import Shape
+from autoflash.reference import (causal_offset_for, lse_error, make_inputs, reference, reference_grads, rel_error,
+                                 sdpa_error, sdpa_grads)
+from autoflash.space import default_variant, load_space
+
+GATE_FACTOR = 2.0  # candidate error <= GATE_FACTOR * SDPA's error (DESIGN.md §4)
+GATE_FLOOR = {"float32": 1e-5, "float16": 5e-4, "bfloat16": 4e-3}  # relative L2: binds only when SDPA is ~exact
+LSE_TOL = 1e-3  # absolute, natural-log units: LSE is accumulated in fp32 from the same inputs
+
+
+
+@dataclasses.dataclass
+class GateResult:
+    passed: bool
+    err: float  # worst relative L2 error of O over the gate's shapes
+    sdpa_err: float  # SDPA's error on the same shapes
+    lse_err: float
+    detail: str = ""
+
+
+def gate_shapes(shape: Shape) -> list[Shape]:
+    """Ragged shapes for the correctness gate of a problem (small; the kernel is length-agnostic)."""
+    hk = 2 if shape.heads_q >= 2 * (shape.heads_q // shape.heads_kv) else 1
+    hq = hk * (shape.heads_q // shape.heads_kv)
+    base = dict(heads_q=hq, heads_kv=hk, head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
+                op=shape.op)
+    # (batch, seqlen_q, seqlen_k): the short ragged shapes use 2 sequences to cover batch strides.
+    if torch.cuda.is_available() and not interpreter_enabled():
+        sizes = [(1, 1023, 1023), (2, 113, 203), (2, 203, 113), (1, 1, 37)]
+    else:
+        sizes = [(1, 37, 37), (2, 17, 64), (2, 64, 17)]
+    return [Shape(batch=b, seqlen_q=nq, seqlen_k=nk, **base) for b, nq, nk in sizes]
+
+
+def require_supported(kernel: Kernel, *tensors) -> None:
+    """The gate and timing pass tensors the kernel must take: say so clearly when it cannot."""
+    reason = kernel.unsupported(*tensors)
+    if reason:
+        raise ValueError(f"{kernel.family} variant cannot take these inputs: {reason}")
+
+
+def run_variant(kernel: Kernel, q, k, v, causal: bool, causal_offset: int, scale: float):
+    """Launch one compiled variant on (B,H,N,D) inputs; returns (out, lse) (poisoned first)."""
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
+    require_supported(kernel, q, k, v, out)
+    kernel.forward(q, k, v, out, lse, scale, causal, causal_offset)
+    return out, lse
+
+
+def check(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
+    """The correctness gate of a forward or backward kernel (by its op)."""
+    return (check_backward if kernel.op == "bwd" else check_forward)(kernel, shape, device, seed)
+
+
+def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
+    """The correctness gate over the ragged gate shapes of `shape`'s problem.
+
+    Alternate shapes use (B,N,H,D)-strided inputs and bottom-right causal alignment, so one
+    gate covers both layouts and both alignments the public API produces.
+    """
+    worst = GateResult(True, 0.0, 0.0, 0.0)
+    for i, gs in enumerate(gate_shapes(shape)):
+        q, k, v = make_inputs(gs, device, seed=seed + i, layout="bnhd" if i % 2 else "bhnd")
+        off = causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")
+        scale = 1.0 / math.sqrt(gs.head_dim)
+        out, lse = run_variant(kernel, q, k, v, gs.causal, off, scale)
+        ref_out, ref_lse = reference(q, k, v, gs.causal, off, scale)
+        err = rel_error(out, ref_out)
+        s_err = sdpa_error(q, k, v, gs.causal, off, scale, ref_out)
+        l_err = lse_error(lse, ref_lse)
+        bound = max(GATE_FACTOR * s_err, GATE_FLOOR[gs.dtype])
+        ok = math.isfinite(err) and err <= bound and l_err <= LSE_TOL
+        worst = GateResult(worst.passed and ok, max(worst.err, err if math.isfinite(err) else math.inf),
+                           max(worst.sdpa_err, s_err), max(worst.lse_err, l_err), worst.detail)
+        if not ok:
+            worst.detail = (f"wrong result on {gs.label()}: rel err {err:.3g} (bound {bound:.3g}, "
+                            f"SDPA {s_err:.3g}), lse err {l_err:.3g}")
+            return worst
+    return worst
+
+
+GRAD_GATE_FACTOR = 3.0  # gradients: error <= 3x SDPA's own gradient error (DESIGN.md §4)
+
+
+def forward_for_backward(q, k, v, causal: bool, offset: int, scale: float):
+    """(out, lse) from the forward family's default kernel for these tensors: what a backward
+    variant consumes. Built through codegen (never the API: no dispatcher, DB or tune-on-miss)."""
+    shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
+                  seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:])
+    device = gpu_fingerprint(q.device.index if q.is_cuda else None)
+    variant = default_variant("fwd", shape.problem, device)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    kernel = codegen.load(variant)
+    if kernel.unsupported(q, k, v, out) and "LOADS" in variant.as_dict():
+        space = load_space(variant.family)
+        kernel = codegen.load(space.nearest_valid(variant.replace(LOADS="pointer", WARP_SPECIALIZE=False),
+                                                  shape.problem, device))
+    kernel.forward(q, k, v, out, lse, scale, causal, offset)
+    return out, lse
+
+
+def check_backward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
+    """Gradient gate: dQ, dK, dV (poisoned first) vs float64 autograd, each within 3x SDPA's error."""
+    worst = GateResult(True, 0.0, 0.0, 0.0)
+    for i, gs in enumerate(gate_shapes(shape)):
+        q, k, v = make_inputs(gs, device, seed=seed + i, layout="bnhd" if i % 2 else "bhnd")
+        grad = make_inputs(gs, device, seed=seed + 100 + i)[0]
+        off = causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")
+        scale = 1.0 / math.sqrt(gs.head_dim)
+        out, lse = forward_for_backward(q, k, v, gs.causal, off, scale)
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        require_supported(kernel, q, k, v, grad)
+        kernel.backward(q, k, v, out, lse, grad, *grads, scale, gs.causal, off)
+        refs = reference_grads(q, k, v, grad, gs.causal, off, scale)
+        theirs = sdpa_grads(q, k, v, grad, gs.causal, off, scale)
+        for name, mine, ref, sd in zip(("dq", "dk", "dv"), grads, refs, theirs):
+            err, s_err = rel_error(mine, ref), rel_error(sd, ref)
+            bound = max(GRAD_GATE_FACTOR * s_err, GATE_FLOOR[gs.dtype])
+            ok = math.isfinite(err) and err <= bound
+            worst = GateResult(worst.passed and ok, max(worst.err, err if math.isfinite(err) else math.inf),
+                               max(worst.sdpa_err, s_err), 0.0, worst.detail)
+            if not ok:
+                worst.detail = (f"wrong {name} on {gs.label()}: rel err {err:.3g} (bound {bound:.3g}, "
+                                f"SDPA {s_err:.3g})")
+                return worst
+    return worst

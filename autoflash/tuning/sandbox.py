@@ -1,0 +1,268 @@
+"""The sandbox: candidates run in a separate process (started with `spawn`; it owns the CUDA
+context), so a compile error, an illegal address or a hang costs one recorded trial, not the run.
+The worker tasks (`evaluate_variant`, `compile_variant`, `remeasure`, `ping`) are top-level
+functions, so they pickle by name.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+
+import torch
+
+from autoflash.device import interpreter_enabled
+from autoflash.problem import Shape
+from autoflash.reference import make_inputs
+from autoflash.space import Variant
+from autoflash.tuning.gate import check, gate_shapes
+from autoflash.reference import causal_offset_for
+from autoflash.tuning.timing import launch_callable, sdpa_callable, time_callable, time_variant
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one candidate did. status: ok | wrong | compile_error | runtime_error | timeout | crashed | invalid."""
+
+    status: str
+    ms: float = float("nan")
+    err: float = float("nan")
+    sdpa_err: float = float("nan")
+    message: str = ""
+    seconds: float = 0.0
+
+
+_gate_cache: dict = {}
+
+
+def _declared_variant(family: str, variant_json: str) -> Variant:
+    """A variant sent to a worker as JSON, checked against its family's declared space before rendering."""
+    from autoflash.space import load_space, parse_variant_json
+
+    return load_space(family).check_declared(parse_variant_json(family, variant_json))
+
+
+def ping() -> dict:
+    """A no-op task that makes a fresh worker import torch and create its CUDA context."""
+    if torch.cuda.is_available() and not interpreter_enabled():
+        torch.zeros(1, device="cuda")
+    return {"status": "ok", "samples": {}}
+
+
+def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float, device_str: str) -> Outcome:
+    """Compile, gate and time one variant in this process (the worker's body)."""
+    from autoflash import codegen
+    t0 = time.perf_counter()
+    variant = _declared_variant(family, variant_json)
+    device = torch.device(device_str)
+    # The gate's inputs depend only on these, not on the timing shape's lengths: problems that
+    # differ only in seqlen bucket share one gate result per variant within a worker.
+    gate_key = (variant.family, variant.json(), shape.dtype, shape.head_dim, shape.causal, shape.heads_q // shape.heads_kv)
+    try:
+        kernel = codegen.load(variant)
+        gate = _gate_cache.get(gate_key)
+        if gate is None:
+            gate = _gate_cache[gate_key] = check(kernel, shape, device)
+    except Exception as e:  # noqa: BLE001 - classify and record, never propagate
+        text = f"{type(e).__name__}: {e}"
+        status = "compile_error" if _is_compile_error(e, text) else "runtime_error"
+        return Outcome(status, message=_short(text), seconds=time.perf_counter() - t0)
+    if not gate.passed:
+        return Outcome("wrong", err=gate.err, sdpa_err=gate.sdpa_err, message=gate.detail,
+                       seconds=time.perf_counter() - t0)
+    ms = time_variant(kernel, shape, device, rep_ms=rep_ms)
+    return Outcome("ok", ms=ms, err=gate.err, sdpa_err=gate.sdpa_err, seconds=time.perf_counter() - t0)
+
+
+def _gate_and_timing_inputs(shape: Shape, device):
+    """(q, k, v, causal_offset) for every argument configuration the gate and timing launch."""
+    configs = []
+    for i, gs in enumerate(gate_shapes(shape)):
+        q, k, v = make_inputs(gs, device, seed=i, layout="bnhd" if i % 2 else "bhnd")
+        configs.append((q, k, v, causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")))
+    q, k, v = make_inputs(shape, device, seed=1234)
+    configs.append((q, k, v, 0))
+    return configs
+
+
+def compile_variant(variant_json: str, family: str, shape: Shape, rep_ms: float, device_str: str) -> Outcome:
+    """Build a variant's binaries for the gate's and the timing's argument types, without launching
+    (run in parallel on the CPU cores while another process measures on the GPU)."""
+    from autoflash import codegen
+    t0 = time.perf_counter()
+    variant = _declared_variant(family, variant_json)
+    try:
+        kernel = codegen.load(variant)
+        if device_str != "cpu":  # the interpreter has nothing to compile
+            for q, k, v, off in _gate_and_timing_inputs(shape, torch.device(device_str)):
+                kernel.compile_for(q, k, v, shape.causal, off)
+    except Exception as e:  # noqa: BLE001
+        text = f"{type(e).__name__}: {e}"
+        return Outcome("compile_error" if _is_compile_error(e, text) else "runtime_error",
+                       message=_short(text), seconds=time.perf_counter() - t0)
+    return Outcome("ok", seconds=time.perf_counter() - t0)
+
+
+def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: float, device_str: str) -> dict:
+    """Interleaved re-measurement: each round times every method once. A method is
+    'family:variant JSON' (or a bare variant JSON of the op's default family) or 'sdpa_cudnn' /
+    'sdpa_flash'. Returns {method: [ms per round]} (NaN where a method refused)."""
+    from autoflash import codegen
+    device = torch.device(device_str)
+    q, k, v = make_inputs(shape, device, seed=99)
+    fns = {}
+    for m in methods:
+        if m.startswith("sdpa_"):
+            if device.type == "cuda":
+                fns[m] = sdpa_callable(m[5:], shape, q, k, v, backward=(op == "bwd"))
+            continue
+        family, _, variant_json = m.partition(":") if not m.startswith("{") else ("", "", m)
+        fns[m] = launch_callable(codegen.load(_declared_variant(family or op, variant_json)), shape, q, k, v, 0)
+    samples = {m: [] for m in methods}
+    for _ in range(rounds):
+        for m in methods:
+            fn = fns.get(m)
+            samples[m].append(time_callable(fn, device, rep_ms) if fn else float("nan"))
+    return {"status": "ok", "samples": samples}
+
+
+def _is_compile_error(exc: BaseException, text: str) -> bool:
+    names = {type(exc).__name__, *(c.__name__ for c in type(exc).__mro__)}
+    return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources", "PTXASError"}) \
+        or "out of resource" in text.lower()
+
+
+def _short(text: str, limit: int = 2000) -> str:
+    return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-limit // 2:]
+
+
+def _worker_main(tasks, results, env: dict) -> None:
+    os.environ.update(env)
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the tuner died (e.g. kill -9): do not linger
+                return
+            continue
+        if task is None:
+            return
+        fn, args = task
+        try:
+            outcome = fn(*args)
+        except BaseException as e:  # noqa: BLE001
+            outcome = Outcome("runtime_error", message=_short(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        results.put(outcome if isinstance(outcome, dict) else dataclasses.asdict(outcome))
+        if isinstance(outcome, Outcome) and outcome.status == "runtime_error" and "illegal" in outcome.message.lower():
+            return  # a CUDA context after an illegal access is unusable: let the parent restart us
+
+
+class Sandbox:
+    """One worker process that owns the device; restarted after a crash, a hang or a fatal error."""
+
+    def __init__(self, device: str = "cuda", env: dict | None = None):
+        self.device = device
+        self.env = dict(env or {})
+        self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+        self._proc = None
+
+    def _start(self):
+        self._tasks = self._ctx.Queue()
+        self._results = self._ctx.Queue()
+        self._proc = self._ctx.Process(target=_worker_main, args=(self._tasks, self._results, self.env), daemon=True)
+        self._proc.start()
+
+    def close(self):
+        if self._proc is not None and self._proc.is_alive():
+            self._tasks.put(None)
+            self._proc.join(timeout=5)
+        self._kill()
+
+    def _kill(self):
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(timeout=5)
+            for q in (self._tasks, self._results):  # release their pipes and semaphores now
+                q.close()
+                q.cancel_join_thread()
+        self._proc = None
+
+    def evaluate(self, variant: Variant, shape: Shape, rep_ms: float = 100, timeout_s: float = 120,
+                 fn=None) -> Outcome:
+        """Run fn (default `evaluate_variant`, any picklable top-level function with its signature)
+        in the worker; a hang past timeout_s or a dead worker becomes an Outcome too."""
+        return self.call(fn or evaluate_variant, (variant.json(), variant.family, shape, rep_ms, self.device), timeout_s)
+
+    def call(self, fn, args: tuple, timeout_s: float) -> Outcome:
+        if self._proc is None or not self._proc.is_alive():
+            self._kill()  # reap a worker that exited after its last answer
+            self._start()
+        t0 = time.perf_counter()
+        self._tasks.put((fn, args))
+        deadline = t0 + timeout_s
+        while True:
+            try:
+                result = self._results.get(timeout=0.2)
+                return result if "samples" in result else Outcome(**result)
+            except queue.Empty:
+                pass
+            if not self._proc.is_alive():
+                try:  # it may have answered just before exiting
+                    return Outcome(**self._results.get(timeout=0.5))
+                except queue.Empty:
+                    pass
+                code = self._proc.exitcode
+                self._kill()
+                return Outcome("crashed", message=f"worker process died (exit code {code})",
+                               seconds=time.perf_counter() - t0)
+            if time.perf_counter() > deadline:
+                self._kill()
+                return Outcome("timeout", message=f"no result within {timeout_s:.0f} s (hang?)",
+                               seconds=time.perf_counter() - t0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class WorkerPool:
+    """N sandboxes used from threads: each thread takes a free sandbox, uses it, gives it back."""
+
+    def __init__(self, n: int, device: str, env: dict):
+        self._free: queue.Queue = queue.Queue()
+        self._all = [Sandbox(device, env) for _ in range(n)]
+        for sb in self._all:
+            self._free.put(sb)
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=n)
+        self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def start(self, timeout_s: float) -> None:
+        """Start every worker (torch import, CUDA context) before any budget clock runs."""
+        self.map(ping, [()] * len(self._all), timeout_s)
+
+    def map_async(self, fn, args_list: list[tuple], timeout_s: float) -> concurrent.futures.Future:
+        return self._background.submit(self.map, fn, args_list, timeout_s)
+
+    def map(self, fn, args_list: list[tuple], timeout_s: float) -> list:
+        def one(args):
+            sb = self._free.get()
+            try:
+                return sb.call(fn, args, timeout_s)
+            finally:
+                self._free.put(sb)
+        return list(self._threads.map(one, args_list))
+
+    def close(self):
+        self._background.shutdown(wait=True)
+        self._threads.shutdown(wait=True)
+        for sb in self._all:
+            sb.close()

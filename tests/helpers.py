@@ -1,0 +1,17 @@
+"""Shared test helpers (imported by test modules; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Problem
+from autoflash.space import Variant, load_space
+
+
+def default_for(op: str, dtype: str, head_dim: int, has_tma: bool = True, causal: bool = False) -> Variant:
+    """The op's [[defaults]] variant for a problem, on this machine's device with or without TMA."""
+    device = dataclasses.replace(gpu_fingerprint(), cc_major=9 if has_tma else 8, cc_minor=0)
+    problem = Problem(op=op, dtype=dtype, head_dim=head_dim, causal=causal, gqa_group=1, seqlen_q=1024,
+                      seqlen_k=1024)
+    return load_space(op).default_for(problem, device)

@@ -143,7 +143,7 @@ def _needs_autograd(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-# The API's one memo: an inference call's signature -> (kernel, lse scratch, scale, causal offset).
+# The API's one memo: an inference call's signature -> (launch(q, k, v, out, lse), lse scratch).
 # A repeated call with the same signature launches its kernel at once (`_repeat_inference_call`).
 inference_plans: dict[tuple, tuple] = {}
 MAX_PLANS = 4096
@@ -170,17 +170,19 @@ def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causa
     """The host fast path: an inference call whose exact signature was planned before launches
     its kernel directly (no validation, no dispatcher lookup, a reused lse scratch). None when the
     call is new, differentiable or being traced by torch.compile: the full path handles those."""
+    if torch.compiler.is_compiling():  # traced calls go through the registered op
+        return None
     try:
         plan = inference_plans.get(_signature(q, k, v, causal, scale, enable_gqa, causal_offset))
     except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the full path decides
         return None
-    if plan is None or torch.compiler.is_compiling() or _needs_autograd(q, k, v):
+    if plan is None or _needs_autograd(q, k, v):
         return None
     if not q.is_cuda and not interpreter_enabled():  # planned under the interpreter, which is now off
         return None
-    kernel, lse, sm_scale, offset = plan
+    launch, lse = plan
     out = torch.empty_like(q)  # q's memory layout, as forward_with_lse
-    kernel.forward(q, k, v, out, lse, sm_scale, causal, offset)
+    launch(q, k, v, out, lse)
     return out
 
 
@@ -195,13 +197,18 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     kernel = get_dispatcher().kernel_for(q, k, v, out, causal)
-    kernel.forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
-    if _memoizable(q, scale):
-        if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
-            inference_plans.clear()
-        # lse is discarded by inference calls: this call's buffer becomes the signature's scratch.
-        inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = (
-            kernel, lse, sm_scale, causal_offset)
+    if not _memoizable(q, scale):
+        kernel.forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
+        return out
+    # This call launches through the module and leaves a direct launcher for the next ones.
+    launch = kernel.bind_forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
+    if launch is None:
+        def launch(q, k, v, o, lse, kernel=kernel):
+            kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
+    if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
+        inference_plans.clear()
+    # lse is discarded by inference calls: this call's buffer becomes the signature's scratch.
+    inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = (launch, lse)
     return out
 
 

@@ -18,9 +18,10 @@ version of a template, to time both with the same knobs before retuning (`autofl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
-import importlib.util
+import linecache
 import os
 import pathlib
 import sys
@@ -41,12 +42,67 @@ _lock = threading.Lock()
 _modules: dict[tuple[str, str, str], ModuleType] = {}
 
 
-def kernel_cache_dir() -> pathlib.Path:
+class KernelCacheError(RuntimeError):
+    """No writable place for rendered kernels: neither the kernel cache nor a private temporary
+    directory. The API turns it into an SDPA fallback."""
+
+
+_fallback_dirs: dict[str, pathlib.Path] = {}  # configured cache dir -> this process's private one
+_private_dir: pathlib.Path | None = None
+
+
+def configured_kernel_cache_dir() -> pathlib.Path:
     """$AUTOFLASH_KERNEL_CACHE, else $XDG_CACHE_HOME/autoflash/kernels, else ~/.cache/autoflash/kernels."""
     if os.environ.get("AUTOFLASH_KERNEL_CACHE"):
         return pathlib.Path(os.environ["AUTOFLASH_KERNEL_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "autoflash" / "kernels"
+
+
+def kernel_cache_dir() -> pathlib.Path:
+    """The configured kernel cache (see `configured_kernel_cache_dir`), or, once it proved
+    unwritable in this process, the private temporary directory used instead."""
+    configured = configured_kernel_cache_dir()
+    return _fallback_dirs.get(str(configured), configured)
+
+
+def _cache_fallback(configured: pathlib.Path, cause: BaseException) -> pathlib.Path:
+    """The private temporary kernel directory (made once per process) that replaces an unwritable
+    `configured` cache; one RuntimeWarning per unwritable cache names the cause."""
+    global _private_dir
+    import warnings
+
+    if _private_dir is None:
+        try:
+            _private_dir = pathlib.Path(tempfile.mkdtemp(prefix="autoflash-kernels-"))
+        except OSError as e:
+            raise KernelCacheError(f"kernel cache {configured} is not writable ({cause}) and no temporary "
+                                   f"directory could be made ({e})") from e
+    if str(configured) not in _fallback_dirs:
+        _fallback_dirs[str(configured)] = _private_dir
+        warnings.warn(f"autoflash: kernel cache {configured} is not writable ({type(cause).__name__}: {cause}); "
+                      f"rendering kernels into {_private_dir} for this process (set AUTOFLASH_KERNEL_CACHE "
+                      "to a writable directory to keep them)", RuntimeWarning, stacklevel=3)
+    return _private_dir
+
+
+def _cached_source_file(path: pathlib.Path, source: str) -> pathlib.Path:
+    """A file holding exactly `source` for `inspect` (which `@triton.jit` reads): `path` when it
+    already holds it or can be written, else the same name in the private fallback directory."""
+    for attempt in range(2):
+        try:
+            if path.is_file() and path.read_text(encoding="utf-8") == source:
+                return path
+        except (OSError, UnicodeDecodeError):
+            pass
+        try:
+            _write_atomically(path, source)
+            return path
+        except OSError as e:
+            if attempt or path.parent == _private_dir:
+                raise KernelCacheError(f"cannot write the rendered kernel {path}: {e}") from e
+            path = _cache_fallback(path.parent, e) / path.name
+    raise AssertionError("unreachable")
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,9 +166,32 @@ def source_path(variant: Variant, template_file: str | os.PathLike | None = None
 def _write_atomically(path: pathlib.Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)  # concurrent writers of the same variant write identical text
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)  # concurrent writers of the same variant write identical text
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _exec_source(name: str, path: pathlib.Path, source: str) -> ModuleType:
+    """Execute the source rendered here (never a .pyc from __pycache__, never the file's bytes, which
+    someone else may have replaced) as module `name` whose __file__ is `path`. linecache is primed
+    with the same text, so `inspect` (and `@triton.jit`) read what was executed."""
+    filename = str(path)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # mtime None: kept
+    code = compile(source, filename, "exec", dont_inherit=True)
+    module = ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
 
 
 def load(variant: Variant, template_file: str | os.PathLike | None = None) -> "Kernel":
@@ -127,15 +206,10 @@ def load(variant: Variant, template_file: str | os.PathLike | None = None) -> "K
         kernel = _modules.get(key)
         if kernel is not None:
             return kernel
-        path = source_path(variant, template_file)
         source = render(variant, template_file)
-        if not path.is_file() or path.read_text(encoding="utf-8") != source:
-            _write_atomically(path, source)
+        path = _cached_source_file(source_path(variant, template_file), source)
         name = f"autoflash_kernels.{path.stem}_{key[2]}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        module = _exec_source(name, path, source)
         kernel = _modules[key] = Kernel(variant, module)
         return kernel
 
@@ -196,6 +270,15 @@ class Kernel:
             ensure_allocator()
         self.module.launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset)
 
+    def bind_forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int):
+        """Launch once through the module, and return a direct launcher `fn(q, k, v, o, lse)` for
+        later calls whose tensors have these shapes, strides, dtypes and device (the caller's memo
+        guarantees it): the cached compiled kernel is launched without Triton's per-call argument
+        binding and cache lookup (measured on the H200: that path alone costs more host time than a
+        whole torch SDPA call). None when the module cannot be bound so (the interpreter, several
+        kernel launches, profiler hooks): then launch with `forward`."""
+        return bind_direct_launch(self, q, k, v, o, lse, sm_scale, causal, causal_offset)
+
     def compile_for(self, q, k, v, causal: bool, causal_offset: int) -> None:
         """Build (or fetch from Triton's cache) the binary for these argument types, no launch."""
         if self.uses_tma:
@@ -211,3 +294,77 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"Kernel({self.family}: {self.variant.short()})"
+
+
+
+# --------------------------------------------------------------------------- direct launches
+def bind_direct_launch(kernel: Kernel, q, k, v, o, lse, sm_scale, causal, causal_offset):
+    """See `Kernel.bind_forward`. Records the one JIT launch `module.launch` makes (arguments,
+    grid, compiled kernel), then replays it with new tensors in the first five argument slots."""
+    from triton.runtime.jit import JITFunction
+
+    if kernel.uses_tma:
+        ensure_allocator()
+    if not q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
+        return None
+    jits = [f for f in vars(kernel.module).values() if isinstance(f, JITFunction)]
+    records = []
+
+    def recorder(jit):
+        def run(*args, grid, warmup, **kwargs):
+            compiled = JITFunction.run(jit, *args, grid=grid, warmup=warmup, **kwargs)
+            records.append((jit, args, kwargs, grid, compiled))
+            return compiled
+        return run
+
+    for jit in jits:
+        jit.run = recorder(jit)  # an instance attribute: shadows the method for this one call
+    try:
+        kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
+    finally:
+        for jit in jits:
+            vars(jit).pop("run", None)
+    try:
+        return _direct_launcher(records, (q, k, v, o, lse))
+    except Exception:  # noqa: BLE001 - an optimisation only: the module's own launch stays correct
+        return None
+
+
+def _direct_launcher(records: list, tensors: tuple):
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    if len(records) != 1 or any(h is not None and getattr(h, "calls", True) for h in hooks):
+        return None  # (launch hooks, e.g. a profiler's, want Triton's own launch path)
+    jit, args, kwargs, grid, compiled = records[0]
+    if compiled is None or not hasattr(compiled, "run") or hasattr(compiled, "result"):
+        return None
+    names = [p.name for p in jit.params]
+    params = {n: kwargs[n] for n in names if n in kwargs}
+    import inspect
+
+    bound = inspect.signature(jit.fn).bind(*args, **params)
+    bound.apply_defaults()
+    values = [bound.arguments[n] for n in names]
+    if any(a is not b for a, b in zip(values[: len(tensors)], tensors)):
+        return None  # the kernel's first arguments are not (q, k, v, o, lse): do not guess
+    rest = tuple(values[len(tensors):])
+    if any(isinstance(x, torch.Tensor) for x in rest):
+        return None  # another tensor (scratch, a descriptor's base) would be replayed stale
+    if callable(grid):
+        grid = grid(bound.arguments)
+    g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    raw_stream = torch._C._cuda_getCurrentRawStream
+
+    if getattr(compiled.metadata, "global_scratch_size", 0):
+        def launch(q, k, v, o, lse):  # in-kernel TMA descriptors: the scratch allocator must be set here
+            ensure_allocator()
+            run(g0, g1, g2, raw_stream(q.device.index), function, metadata, None, None, None, q, k, v, o, lse, *rest)
+        return launch
+
+    def launch(q, k, v, o, lse):
+        run(g0, g1, g2, raw_stream(q.device.index), function, metadata, None, None, None, q, k, v, o, lse, *rest)
+
+    return launch

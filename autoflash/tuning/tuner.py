@@ -27,13 +27,15 @@ from typing import Callable
 
 import optuna
 
-from autoflash import codegen, resources
+from autoflash import codegen
 from autoflash.device import GPUFingerprint, gpu_fingerprint
 from autoflash.problem import Problem, Shape
 from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning import sandbox
+from autoflash.tuning.journal import journal_backend
 from autoflash.tuning.sandbox import Outcome, Sandbox
+from autoflash.tuning.seeds import read_shipped_winners, seed_variants
 from autoflash.tuning.timing import tflops
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -100,13 +102,12 @@ class Tuner:
         if os.environ.get("AUTOFLASH_KERNEL_CACHE"):
             env["AUTOFLASH_KERNEL_CACHE"] = os.environ["AUTOFLASH_KERNEL_CACHE"]
         self.gpu_key = store.add_gpu(self.device)
-        self.shipped_winners = self._read_shipped_winners()  # warm-start seeds, read once per run
+        self.shipped_winners = read_shipped_winners(self.gpu_key)  # warm-start seeds, read once per run
         store.mark_dead_runs()  # runs a kill left 'running' (their trials are kept and resumed)
         self.run_id = store.start_run(self.gpu_key, command)
         self.sandbox = Sandbox(self.device_str, env)
         self.compilers = None if options.interpret else sandbox.WorkerPool(options.compile_workers, self.device_str, env)
-        self.journal = optuna.storages.JournalStorage(
-            optuna.storages.journal.JournalFileBackend(optuna_storage_path(store.path)))
+        self.journal = optuna.storages.JournalStorage(journal_backend(store.path))
         self.total_measured = 0
         # Workers start before the first problem's clock (start-up is not charged to one problem;
         # `tune` charges it to the run's budget, which it then splits over the problems).
@@ -166,7 +167,8 @@ class Tuner:
                 study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
                 load_if_exists=True, sampler=make_sampler(self.opt.seed, trials))
             if not study.trials:
-                for seed_variant in self._seeds(first, problem, thash, budget):
+                rows = self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim) + self.shipped_winners
+                for seed_variant in seed_variants(first, problem, self.device, thash, rows, budget):
                     study.enqueue_trial(seed_variant.as_dict(), skip_if_exists=True)
 
         measured = sum(1 for r in mine.values() if r["status"] != "pruned")
@@ -220,67 +222,6 @@ class Tuner:
                 self.reporter.trial_done(measured, budget, variant, outcome, tflops(shape, best))
         return measured, failed
 
-    def _seeds(self, default: Variant, problem: Problem, thash: str, budget: int) -> list[Variant]:
-        """The default and known-good variants: this problem's winners under earlier versions of the
-        template, in this DB or shipped in cache/ (a warm start after a template edit; knobs they
-        lack take the default's values); for a causal problem, the heavy_first grid order of the
-        default and of the first earlier winner; then other problems' winners of the same dtype
-        and head dim."""
-        seeds = [default]
-        space = load_space(default.family)
-        rows = self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim)
-        rows += [w for w in self.shipped_winners if w["op"] == problem.op and w["head_dim"] == problem.head_dim]
-        # (rows of the op's other current families are another space's knobs: not seeds here)
-        earlier = [w for w in rows if w["problem"] == problem.key and w["template_hash"] != thash
-                   and codegen.family_for_hash(problem.op, w["template_hash"]) is None]
-        others = [w for w in rows if w["problem"] != problem.key and w["template_hash"] == thash
-                  and w["dtype"] == problem.dtype]
-        seeds += self._valid_variants(earlier, default, problem, thash, space)
-        seeds += self._heavy_first_twins(seeds[:2], problem, space)
-        seeds += self._valid_variants(others, default, problem, thash, space)
-        return list(dict.fromkeys(seeds))[: max(1, budget // 4)]
-
-    def _read_shipped_winners(self) -> list[dict]:
-        """This GPU's winners in the DBs shipped in cache/ (any template version)."""
-        rows = []
-        for path in resources.shipped_databases():
-            try:
-                shipped = Store(path, readonly=True)
-                try:
-                    rows += shipped.winners(self.gpu_key)
-                finally:
-                    shipped.close()
-            except Exception:  # an unreadable shipped DB only costs the warm start
-                continue
-        return rows
-
-    def _valid_variants(self, rows: list[dict], default: Variant, problem: Problem, thash: str, space) -> list[Variant]:
-        """The rows' variants that are valid for this problem; a row of an earlier template gets the
-        default's value for each knob it lacks."""
-        variants = []
-        for w in rows:
-            try:
-                knobs = json.loads(w["variant"])
-                if isinstance(knobs, dict) and w["template_hash"] != thash:
-                    knobs = {k: knobs.get(k, value) for k, value in default.as_dict().items()}
-                variants.append(space.validate(knobs, problem, self.device))
-            except ValueError:
-                continue
-        return variants
-
-    def _heavy_first_twins(self, variants: list[Variant], problem: Problem, space) -> list[Variant]:
-        """The same variants launching their heaviest causal programs first: measured on an H200
-        (docs/results/2026-11-30-h200-retune.md) that order gained up to 18% in the causal forward
-        (not on every shape) and 34-37% in a GQA backward, yet a short search often never samples it."""
-        if not problem.causal or "heavy_first" not in space.knobs.get("GRID_ORDER", ()):
-            return []
-        twins = []
-        for v in variants:
-            twin = v.replace(GRID_ORDER="heavy_first")
-            if not space.violations(twin, problem, self.device):
-                twins.append(twin)
-        return twins
-
     def _ask_batch(self, study, space, problem, done: dict, n: int) -> list:
         batch, seen, attempts = [], set(), 0
         while len(batch) < n and attempts < 50 * n:
@@ -325,9 +266,19 @@ class Tuner:
 
     def _pick_winner(self, shape, problem, done, default, measured, failed) -> ProblemResult:
         """Re-measure the top candidates of all families interleaved (with the default, the stored
-        winner and SDPA); store the lowest median, unless the stored winner is within the noise band."""
-        ok = sorted((key for key, r in done.items() if r["status"] == "ok" and r["median_ms"]),
-                    key=lambda key: done[key]["median_ms"])
+        winner and SDPA); store the lowest median, unless the stored winner is within the noise band.
+
+        Integrity: a trial row read from the DB becomes a candidate only when its family is one of
+        the op's current families and its variant is declared in that family's space, canonical and
+        valid here; one measured by an earlier run is gated again in this run before it competes.
+        Only a candidate whose re-measure median (this run) is finite is promoted: when the
+        re-measure fails, the stored winner stays and nothing new is stored."""
+        candidates = {}
+        for key, r in done.items():
+            variant = self._trusted_variant(key, r, problem)
+            if variant is not None:
+                candidates[key] = variant
+        ok = sorted(candidates, key=lambda key: done[key]["median_ms"])
         if not ok:
             return ProblemResult(shape, problem, None, {}, math.nan, measured, failed, "no_valid_candidate")
         top = ok[: self.opt.top_k]
@@ -337,29 +288,34 @@ class Tuner:
         incumbent = self._incumbent(problem, set(ok))
         if incumbent:
             top.append(incumbent)
-        top = list(dict.fromkeys(top))
-        methods = list(dict.fromkeys(top + [default_key]))
+        top = [key for key in dict.fromkeys(top) if self._gated_this_run(key, done[key], candidates[key], shape)]
+        if incumbent not in top:
+            incumbent = None
+        stored = self._stored_winner(problem)
+        if not top:
+            return ProblemResult(shape, problem, stored, {}, math.nan, measured, failed, "no_valid_candidate")
+        methods = list(dict.fromkeys(top + ([default_key] if default_key in ok else [])))
         if not self.opt.interpret:
             methods += ["sdpa_cudnn", "sdpa_flash"]
         result = self.sandbox.call(sandbox.remeasure, (methods, problem.op, shape, self.opt.rounds,
                                                        self.opt.rep_ms, self.device_str), self.opt.trial_timeout_s)
-        if isinstance(result, Outcome):  # the re-measure itself failed: keep the search's order
-            samples = {m: [done[m]["median_ms"]] for m in top}
-        else:
-            samples = result["samples"]
+        samples = {} if isinstance(result, Outcome) else result["samples"]
         medians = {m: _median(samples.get(m, [])) for m in methods}
-        winner_key = min(top, key=lambda m: medians[m] if math.isfinite(medians[m]) else math.inf)
+        finite = [m for m in top if math.isfinite(medians[m]) and medians[m] > 0]
+        if not finite:  # the re-measure failed: keep the stored winner, store nothing
+            return ProblemResult(shape, problem, stored, {}, math.nan, measured, failed, "remeasure_failed")
+        winner_key = min(finite, key=lambda m: medians[m])
         spread = _spread(samples.get(winner_key, []))
         # Noise band: a re-tune keeps the stored winner unless a challenger beats it by more than
         # the winner's own round-to-round spread (at least 1%), so winners do not flap on noise.
         band = max(0.01, spread)
-        if incumbent and winner_key != incumbent and medians[incumbent] <= medians[winner_key] * (1 + band):
+        if incumbent in finite and winner_key != incumbent and medians[incumbent] <= medians[winner_key] * (1 + band):
             winner_key = incumbent
             spread = _spread(samples.get(winner_key, []))
         ms = {"tuned": medians[winner_key], "default": medians.get(default_key, math.nan),
               "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
         family, _, winner_json = winner_key.partition(":")
-        winner = Variant.of(family, json.loads(winner_json))
+        winner = candidates[winner_key]
         self.store.set_winner(gpu_key=self.gpu_key, problem=problem, template_hash=codegen.template_hash(family),
                               variant_json=winner_json, median_ms=ms["tuned"], spread=spread,
                               tflops=tflops(shape, ms["tuned"]), trials=measured, run_id=self.run_id,
@@ -367,6 +323,42 @@ class Tuner:
                               sdpa_flash_ms=ms["sdpa_flash"], shape=dataclasses.asdict(shape),
                               replaces=[codegen.template_hash(f) for f in families_for(problem.op)])
         return ProblemResult(shape, problem, winner, ms, spread, measured, failed, "tuned")
+
+    def _trusted_variant(self, key: str, row: dict, problem) -> Variant | None:
+        """The Variant of a 'family:variant JSON' trial, when it may compete (see `_pick_winner`)."""
+        family, _, variant_json = key.partition(":")
+        ms = row.get("median_ms")
+        if row.get("status") != "ok" or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            return None
+        if family not in families_for(problem.op):
+            return None
+        try:
+            space = load_space(family)
+            variant = space.check_declared(json.loads(variant_json))
+            if variant.json() != variant_json or space.violations(variant, problem, self.device):
+                return None
+        except (ValueError, TypeError):
+            return None
+        return variant
+
+    def _gated_this_run(self, key: str, row: dict, variant: Variant, shape) -> bool:
+        """Whether the candidate passed the correctness gate in this run: rows this run recorded
+        did; a row of an earlier run (a resumed or crafted DB) is evaluated again now."""
+        if "id" not in row:  # `_record`'s rows (this run) carry no DB id; rows read from the DB do
+            return True
+        outcome = self.sandbox.evaluate(variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s,
+                                        fn=self.opt.evaluate_fn)
+        return outcome.status == "ok" and math.isfinite(outcome.ms) and outcome.ms > 0
+
+    def _stored_winner(self, problem) -> Variant | None:
+        for family in families_for(problem.op):
+            row = self.store.winner(self.gpu_key, problem.key, codegen.template_hash(family))
+            if row:
+                try:
+                    return load_space(family).check_declared(json.loads(row["variant"]))
+                except (ValueError, TypeError):
+                    return None
+        return None
 
     def _incumbent(self, problem, passed: set) -> str | None:
         """The stored winner of this problem (any current family), when it passed this run's gate."""

@@ -5,7 +5,7 @@
     out = autoflash.flash_attn_func(q, k, v, causal=True)          # flash-attn form, (B, N, H, D)
 """
 
-__version__ = "0.1.0"
+from autoflash._version import __version__  # noqa: E402
 
 from autoflash.api import attention, flash_attn_func  # noqa: E402
 

@@ -44,7 +44,7 @@ def gpu_fingerprint(device_index: int | None = None) -> GPUFingerprint:
     import torch
     import triton
 
-    from autoflash import __version__
+    from autoflash._version import __version__
 
     versions = dict(torch_version=torch.__version__, triton_version=triton.__version__,
                     cuda_version=str(torch.version.cuda), autoflash_version=__version__)

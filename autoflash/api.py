@@ -9,12 +9,14 @@ silently; with AUTOFLASH_STRICT=1 each fallback raises `FallbackError` instead.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
 
 import torch
 
+from autoflash.codegen import KernelCacheError
 from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.reference import sdpa_attention
@@ -112,6 +114,8 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
         return f"{q.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)"
     if interpreter_enabled() and q.dtype == torch.bfloat16:
         return "bfloat16 is not computed correctly by Triton's CPU interpreter"
+    if interpreter_enabled() and _interpreter_numpy_problem():
+        return _interpreter_numpy_problem()
     d, dv = q.shape[-1], v.shape[-1]
     if dv != d:
         return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
@@ -119,6 +123,21 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
         return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor (zero batch, heads, sequence or head dim)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_numpy_problem() -> str | None:
+    """Triton 3.6's interpreter fails with numpy >= 2.4 ("only 0-dimensional arrays can be
+    converted"); newer Triton releases do not. Checked here, where it matters, not by a pin."""
+    import numpy
+    import triton
+
+    from autoflash.space import triton_release
+
+    numpy_release = tuple(int(x) for x in numpy.__version__.split(".")[:2] if x.isdigit())
+    if triton_release(triton.__version__) <= (3, 6) and numpy_release >= (2, 4):
+        return f"Triton {triton.__version__}'s CPU interpreter needs numpy < 2.4 (installed: {numpy.__version__})"
     return None
 
 
@@ -248,10 +267,13 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     _check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
     _check_numbers(dropout_p, scale, "scale")
     reason = _unsupported_reason(query, key, value, attn_mask, dropout_p, scale)
-    if reason is not None:
-        _fallback(reason)
-        return sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
-    return _run(query, key, value, is_causal, 0, scale, enable_gqa)
+    if reason is None:
+        try:
+            return _run(query, key, value, is_causal, 0, scale, enable_gqa)
+        except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
+            reason = f"no usable kernel cache ({e})"
+    _fallback(reason)
+    return sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
@@ -281,9 +303,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     offset = k.shape[1] - q.shape[1]
     _check_numbers(dropout_p, softmax_scale, "softmax_scale")
     reason = _unsupported_reason(qt, kt, vt, None, dropout_p, softmax_scale)
-    if reason is not None:
-        _fallback(reason)
-        return sdpa_attention(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()
-    # The kernels write the output in q's memory layout, so (B, N, H, D) inputs give a
-    # (B, N, H, D) result with no copy.
-    return _run(qt, kt, vt, causal, offset, softmax_scale, True).transpose(1, 2).contiguous()
+    if reason is None:
+        try:
+            # The kernels write the output in q's memory layout, so (B, N, H, D) inputs give a
+            # (B, N, H, D) result with no copy.
+            return _run(qt, kt, vt, causal, offset, softmax_scale, True).transpose(1, 2).contiguous()
+        except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
+            reason = f"no usable kernel cache ({e})"
+    _fallback(reason)
+    return sdpa_attention(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()

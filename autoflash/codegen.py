@@ -312,9 +312,10 @@ def bind_direct_launch(kernel: Kernel, q, k, v, o, lse, sm_scale, causal, causal
     records = []
 
     def recorder(jit):
-        def run(*args, grid, warmup, **kwargs):
-            compiled = JITFunction.run(jit, *args, grid=grid, warmup=warmup, **kwargs)
-            records.append((jit, args, kwargs, grid, compiled))
+        def run(*args, **kwargs):  # (Triton's keyword-only grid/warmup: taken as they come)
+            compiled = JITFunction.run(jit, *args, **kwargs)
+            records.append((jit, args, {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")},
+                            kwargs.get("grid"), compiled))
             return compiled
         return run
 

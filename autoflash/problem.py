@@ -10,11 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import re
 
+OPS = ("fwd", "bwd")
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 SEQLEN_BUCKET_MIN = 16
 SEQLEN_BUCKET_MAX = 1 << 20
+HEAD_DIM_MAX = 1 << 16  # far above any kernel's limit (the API falls back above 256): larger is a corrupt row
+GQA_GROUP_MAX = 1 << 16
+_KEY = re.compile(r"(?P<op>[a-z]+)/(?P<dtype>[a-z0-9]+)/d(?P<d>-?\d+)/(?P<c>causal|full)/g(?P<g>-?\d+)"
+                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)")
+
+
+def _check_int(name: str, value, low: int, high: int, power_of_two: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    if power_of_two and value & (value - 1):
+        raise ValueError(f"{name} must be a power-of-two bucket, got {value}")
 
 
 def seqlen_bucket(n: int) -> int:
@@ -36,10 +52,16 @@ class Problem:
     seqlen_k: int  # bucket
 
     def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.gqa_group < 1:
-            raise ValueError(f"gqa_group must be >= 1, got {self.gqa_group}")
+        if isinstance(self.causal, str) or self.causal not in (True, False):
+            raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        _check_int("head_dim", self.head_dim, 1, HEAD_DIM_MAX)
+        _check_int("gqa_group", self.gqa_group, 1, GQA_GROUP_MAX)
+        _check_int("seqlen_q", self.seqlen_q, 1, SEQLEN_BUCKET_MAX, power_of_two=True)
+        _check_int("seqlen_k", self.seqlen_k, 1, SEQLEN_BUCKET_MAX, power_of_two=True)
 
     @property
     def key(self) -> str:
@@ -50,9 +72,22 @@ class Problem:
 
     @classmethod
     def from_key(cls, key: str) -> "Problem":
-        op, dtype, d, c, g, q, k = key.split("/")
-        return cls(op=op, dtype=dtype, head_dim=int(d[1:]), causal=(c == "causal"),
-                   gqa_group=int(g[1:]), seqlen_q=int(q[1:]), seqlen_k=int(k[1:]))
+        """Parse a key made by `.key`; anything else (missing/extra parts, a length <= 0, a
+        non-power-of-two bucket, an unknown op or dtype) raises ValueError naming the part."""
+        if not isinstance(key, str):
+            raise ValueError(f"a problem key must be a string, got {type(key).__name__}")
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"malformed problem key {key!r}: expected "
+                             "'op/dtype/d<head_dim>/causal|full/g<gqa>/q<bucket>/k<bucket>'")
+        try:
+            problem = cls(op=m["op"], dtype=m["dtype"], head_dim=int(m["d"]), causal=(m["c"] == "causal"),
+                          gqa_group=int(m["g"]), seqlen_q=int(m["q"]), seqlen_k=int(m["k"]))
+        except ValueError as e:
+            raise ValueError(f"invalid problem key {key!r}: {e}") from None
+        if problem.key != key:  # e.g. leading zeros: one problem, one key
+            raise ValueError(f"non-canonical problem key {key!r} (canonical: {problem.key!r})")
+        return problem
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

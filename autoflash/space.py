@@ -27,6 +27,8 @@ ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 FAMILIES = {
     "triton_fwd": "attn_fwd.toml",
     "triton_bwd": "attn_bwd.toml",
+    "gluon_sm90_fwd": "attn_fwd_sm90.toml",  # Hopper only (its constraints say cc 9.0)
+    "triton_decode": "attn_decode.toml",
 }
 # Each op's first family: where its built-in defaults come from, and what a bare op name means
 # (`load_space("fwd")`, stored variants written before families existed).
@@ -237,8 +239,19 @@ def problem_names(problem: Problem) -> dict:
 
 
 def device_names(problem: Problem, device: GPUFingerprint) -> dict:
+    triton_major, triton_minor = triton_release(device.triton_version)
     return dict(problem_names(problem), cc_major=device.cc_major, cc_minor=device.cc_minor,
-                smem_limit=device.smem_per_block)
+                smem_limit=device.smem_per_block, triton_major=triton_major, triton_minor=triton_minor)
+
+
+def triton_release(version: str) -> tuple[int, int]:
+    """'3.6.0' -> (3, 6); '3.9.0+git1234' -> (3, 9); unparsable -> (0, 0) (rules then take the
+    oldest release's view)."""
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return 0, 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -246,6 +259,9 @@ def load_space(name: str) -> Space:
     """The search space of a family (or of an op's default family)."""
     family = family_name(name)
     space = parse_space(resources.read_text("search_spaces", FAMILIES[family]), family)
+    declared = tomllib.loads(resources.read_text("search_spaces", FAMILIES[family])).get("family", family)
+    if declared != family:
+        raise ValueError(f"{FAMILIES[family]} declares family {declared!r}, registered as {family!r}")
     return space
 
 

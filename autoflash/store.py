@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import pathlib
 import socket
@@ -23,6 +24,8 @@ import time
 from typing import Iterable
 
 import sqlite_utils
+
+from autoflash.store_validate import _connect_readonly, _refuse_foreign, _same_file, validate_export
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_MS = 30_000
@@ -106,14 +109,16 @@ class Store:
                  busy_timeout_ms: int = BUSY_TIMEOUT_MS):
         self.path = pathlib.Path(path) if path else default_db_path()
         self.readonly = readonly
+        timeout = busy_timeout_ms / 1000
         try:
             if readonly:
                 if not self.path.is_file():
                     raise StoreError(f"no database at {self.path}")
-                conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=busy_timeout_ms / 1000)
+                conn = _connect_readonly(self.path, timeout)
             else:
+                _refuse_foreign(self.path, timeout)  # before anything (WAL, tables) touches the file
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                conn = sqlite3.connect(str(self.path), timeout=busy_timeout_ms / 1000)
+                conn = sqlite3.connect(str(self.path), timeout=timeout)
             self.db = sqlite_utils.Database(conn)
             self.db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             version = schema_version(self.db)
@@ -126,6 +131,8 @@ class Store:
             elif version is None:
                 raise StoreError(f"{self.path} is not an autoflash database (no schema version)")
         except sqlite3.DatabaseError as e:
+            raise StoreError(f"cannot use {self.path}: {e}") from None
+        except OSError as e:
             raise StoreError(f"cannot use {self.path}: {e}") from None
 
     def close(self) -> None:
@@ -141,6 +148,22 @@ class Store:
                 if "locked" not in str(e) and "busy" not in str(e) or i == attempts - 1:
                     raise
                 time.sleep(0.05 * (i + 1))
+
+    def _transaction(self, fn):
+        """fn(conn) inside one IMMEDIATE transaction: all of its writes or none (retried when locked)."""
+        def run():
+            conn = self.db.conn
+            if conn.in_transaction:  # this connection's earlier, implicit one: not part of this
+                conn.commit()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(conn)
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
+            return result
+        return self._retry(run)
 
     # ---- writes (each one its own transaction: a kill -9 loses at most the row in flight)
     def add_gpu(self, fingerprint) -> str:
@@ -232,68 +255,107 @@ class Store:
     def copy_winners_to(self, path, gpu_key: str | None = None, keep=None) -> int:
         """Write a small DB (same schema) holding only winners and their GPUs, e.g. to ship in cache/.
         keep: optional row filter (see `export_winners`). A file already at `path` is replaced
-        whole (never merged into: rows it held must not survive an export)."""
-        data = self.export_winners(gpu_key, keep)
+        whole (never merged into: rows it held must not survive an export); this DB's own file
+        (or its -wal/-shm/journal) is refused."""
         path = pathlib.Path(path)
+        if _same_file(path, self.path):
+            raise StoreError(f"refusing to export onto the source database itself ({self.path})")
+        data = self.export_winners(gpu_key, keep)  # validated: a bad row stops the copy before any write
         tmp = path.with_name(path.name + ".partial")
         for stale in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
             stale.unlink(missing_ok=True)
         out = Store(tmp)
-        out._retry(lambda: out.db["gpus"].upsert_all(data["gpus"], pk="gpu_key"))
-        out._retry(lambda: out.db["winners"].upsert_all(data["winners"], pk=("gpu_key", "problem", "template_hash")))
-        out.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        out.db.conn.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
+        try:
+            out._transaction(lambda conn: _write_rows(conn, data["gpus"], data["winners"]))
+            out.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            out.db.conn.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
+        except BaseException:
+            out.close()
+            tmp.unlink(missing_ok=True)
+            raise
         out.close()
         os.replace(tmp, path)
         return len(data["winners"])
 
     # ---- exchange: export / import / merge (winners and their GPUs; trials stay local history)
     def export_winners(self, gpu_key: str | None = None, keep=None) -> dict:
-        """Winners (those for which keep(row) is true, when given) and the GPUs they belong to."""
+        """Winners (those for which keep(row) is true, when given) and the GPUs they belong to.
+        Every row is validated (StoreError names the first bad row and field)."""
         rows = [r for r in self.winners(gpu_key) if keep is None or keep(r)]
-        gpus = [self.db["gpus"].get(k) for k in sorted({r["gpu_key"] for r in rows})]
-        return {"format": "autoflash-winners", "schema_version": SCHEMA_VERSION, "gpus": gpus, "winners": rows}
+        gpus = [g for g in (self.db["gpus"].get(k) if self.db["gpus"].count_where("gpu_key = ?", [k]) else None
+                            for k in sorted({r["gpu_key"] for r in rows})) if g is not None]
+        data = {"format": "autoflash-winners", "schema_version": SCHEMA_VERSION, "gpus": gpus, "winners": rows}
+        data["gpus"], data["winners"] = validate_export(data)
+        return data
 
     def import_winners(self, data: dict) -> dict:
-        """Upsert exported winners. Idempotent; on a key present in both, the faster row is kept.
-        Rows whose variant is not in the declared search space are rejected (counted, not stored)."""
+        """Upsert exported winners, all or nothing: every row is validated first (StoreError names
+        the row and field), then one transaction writes them. Idempotent; on a key present in both,
+        the faster row is kept. Rows whose variant is not in the declared search space are rejected
+        (counted, not stored)."""
         from autoflash.space import InvalidVariant, load_space
 
-        if not isinstance(data, dict) or data.get("format") != "autoflash-winners":
-            raise StoreError("not an autoflash winners export (missing format: autoflash-winners)")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise StoreError(f"the export has schema version {data.get('schema_version')!r}; this autoflash "
-                             f"reads version {SCHEMA_VERSION}")
-        counts = {"added": 0, "updated": 0, "unchanged": 0, "rejected": 0}
-        for gpu in data.get("gpus", []):
-            self._retry(lambda g=gpu: self.db["gpus"].upsert(g, pk="gpu_key"))
-        for row in data.get("winners", []):
+        gpus, rows = validate_export(data)
+        accepted, rejected = [], 0
+        for row in rows:
             try:
                 load_space(row["op"]).check_declared(json.loads(row["variant"]))
             except (InvalidVariant, ValueError, KeyError, TypeError):
-                counts["rejected"] += 1
+                rejected += 1
                 continue
-            mine = self.winner(row["gpu_key"], row["problem"], row["template_hash"])
-            if mine is not None and (mine == row or (mine["median_ms"] or float("inf")) <= (row["median_ms"] or float("inf"))):
-                counts["unchanged"] += 1
-                continue
-            self._retry(lambda r=row: self.db["winners"].upsert(r, pk=("gpu_key", "problem", "template_hash")))
-            counts["updated" if mine is not None else "added"] += 1
-        return counts
+            accepted.append(row)
+
+        def write(conn) -> dict:
+            counts = {"added": 0, "updated": 0, "unchanged": 0, "rejected": rejected}
+            upserts = []
+            for row in accepted:
+                mine = self.winner(row["gpu_key"], row["problem"], row["template_hash"])
+                if mine is not None and (mine == row or _ms(mine.get("median_ms")) <= row["median_ms"]):
+                    counts["unchanged"] += 1
+                    continue
+                upserts.append(row)
+                counts["updated" if mine is not None else "added"] += 1
+            _write_rows(conn, gpus, upserts)
+            return counts
+        return self._transaction(write)
 
     def merge_from(self, path) -> dict:
-        """Import the winners of another autoflash DB file (refused if its schema is foreign)."""
+        """Import the winners of another autoflash DB file (refused if its schema is foreign, or
+        if any of its rows is invalid: nothing is written then)."""
+        if _same_file(pathlib.Path(path), self.path):
+            raise StoreError(f"refusing to merge {path} into itself")
         other = Store(path, readonly=True)
         try:
             version = schema_version(other.db)
             if version != SCHEMA_VERSION:
                 raise StoreError(f"{path} has schema version {version}; this autoflash merges version {SCHEMA_VERSION}")
-            return self.import_winners(other.export_winners())
+            try:
+                data = other.export_winners()
+            except StoreError as e:
+                raise StoreError(f"{path}: {e}") from None
+            return self.import_winners(data)
         finally:
             other.close()
 
     def counts(self) -> dict:
         return {t: self.db[t].count for t in ("gpus", "runs", "trials", "winners")}
+
+
+def _write_rows(conn: sqlite3.Connection, gpus: list[dict], winners: list[dict]) -> None:
+    """Upsert validated rows (inside the caller's transaction)."""
+    for table, rows, pk in (("gpus", gpus, ("gpu_key",)), ("winners", winners, ("gpu_key", "problem", "template_hash"))):
+        for row in rows:
+            cols = list(row)
+            updates = ", ".join(f"[{c}] = excluded.[{c}]" for c in cols if c not in pk)
+            conn.execute(f"INSERT INTO [{table}] ({', '.join(f'[{c}]' for c in cols)}) "
+                         f"VALUES ({', '.join('?' for _ in cols)}) ON CONFLICT({', '.join(pk)}) DO UPDATE SET {updates}",
+                         [row[c] for c in cols])
+
+
+def _ms(x) -> float:
+    """A stored median as a comparable number: missing, non-finite or non-positive ones lose."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 \
+        else float("inf")
 
 
 def _problem_cols(problem) -> dict:

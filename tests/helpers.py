@@ -15,3 +15,16 @@ def default_for(op: str, dtype: str, head_dim: int, has_tma: bool = True, causal
     problem = Problem(op=op, dtype=dtype, head_dim=head_dim, causal=causal, gqa_group=1, seqlen_q=1024,
                       seqlen_k=1024)
     return load_space(op).default_for(problem, device)
+
+
+def _triton_release() -> tuple[int, int]:
+    import triton
+
+    from autoflash.space import triton_release
+
+    return triton_release(triton.__version__)
+
+
+# A load strategy other than the default's that every supported Triton offers: block pointers
+# where they exist (removed in Triton 3.9), else plain pointers.
+OTHER_LOADS = "block_ptr" if _triton_release() < (3, 9) else "pointer"

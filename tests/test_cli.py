@@ -280,3 +280,39 @@ def test_which_names_the_winner_and_the_db_it_came_from(tmp_path, monkeypatch):
     assert "exact" in lines[0] and "mine.db" in lines[0] and winner.short() in lines[0]
     # The causal shapes have no winner of their own kind: built-in default, never the non-causal row.
     assert sum("built-in" in line for line in lines) == 2
+
+
+def test_store_queries_answer_what_the_cli_shows(tmp_path):
+    import sqlite3
+
+    from autoflash import store_queries as q
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Problem
+    from autoflash.store import Store
+
+    dev, prob = gpu_fingerprint(), Problem("fwd", "float16", 64, False, 1, 64, 64)
+    store = Store(tmp_path / "q.db")
+    store.add_gpu(dev)
+    run = store.start_run(dev.key, "test")
+    for status, ms in (("ok", 2.0), ("ok", 1.0), ("compile_error", None)):
+        store.add_trial(run_id=run, gpu_key=dev.key, problem=prob, template_hash="t", variant_json=f'{{"v": {ms}}}',
+                        status=status, median_ms=ms)
+    store.set_winner(gpu_key=dev.key, problem=prob, template_hash="t", variant_json="{}", median_ms=1.0,
+                     spread=0.0, tflops=1.0, trials=3)
+    assert q.trial_counts(store, prob.key) == {"ok": 2, "compile_error": 1}
+    assert [r["median_ms"] for r in q.trials_best_first(store, prob.key)] == [1.0, 2.0, None]
+    assert len(q.trials_best_first(store, prob.key, limit=1)) == 1
+    assert q.trial_problem_keys(store) == [prob.key]
+    gpu, timings = q.measured_timings(store, prob.key)
+    assert gpu["gpu_key"] == dev.key and sorted(timings.values()) == [1.0, 2.0]
+    assert q.measured_timings(store, "fwd/nothing") == (None, {})
+    assert len(q.winners_summary(store, gpu=dev.name[:3].upper(), op="fwd", head_dim=64)) == 1
+    assert q.winners_summary(store, gpu="no such gpu") == [] and q.winners_summary(store, op="bwd") == []
+    columns, rows = q.table_dump(store, "trials")
+    assert "median_ms" in columns and len(rows) == 3
+    assert not q.is_locked(store.path, write=True) and not q.is_locked(tmp_path / "absent.db")
+    holder = sqlite3.connect(store.path)
+    holder.execute("BEGIN EXCLUSIVE")
+    assert q.is_locked(store.path, write=True)
+    holder.rollback()
+    holder.close()

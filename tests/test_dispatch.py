@@ -14,7 +14,7 @@ from autoflash.device import gpu_fingerprint
 from autoflash.problem import Problem
 from autoflash.space import load_space
 from autoflash.store import Store
-from helpers import default_for
+from helpers import OTHER_LOADS, default_for
 
 DEVICE = gpu_fingerprint()
 THASH = codegen.template_hash("fwd")
@@ -101,12 +101,12 @@ def test_corrupt_or_foreign_version_db_warns_and_uses_default(tmp_path):
 def test_dispatcher_launches_the_tuned_winner(tmp_path):
     p = problem(64, 64, causal=True)
     winner = load_space("fwd").validate(dict(default_for("fwd", "float16", 64, has_tma=True).as_dict(),
-                                             BLOCK_M=64, BLOCK_N=32, LOADS="block_ptr"), p, DEVICE)
+                                             BLOCK_M=64, BLOCK_N=32, LOADS=OTHER_LOADS), p, DEVICE)
     d = Dispatcher(winner_paths=[make_db(tmp_path / "w.db", [(p, winner.json())])])
     q = torch.randn(1, 2, 61, 64, dtype=torch.float16)
     out = torch.empty_like(q)
     kernel = d.kernel_for(q, q, q, out, causal=True)
-    assert (kernel.module.BLOCK_M, kernel.module.BLOCK_N, kernel.module.LOADS) == (64, 32, "block_ptr")
+    assert (kernel.module.BLOCK_M, kernel.module.BLOCK_N, kernel.module.LOADS) == (64, 32, OTHER_LOADS)
     lse = torch.empty(1, 2, 61)
     kernel.forward(q, q, q, out, lse, 0.125, True, 0)
     ref, _ = reference(q, q, q, True, 0, 0.125)

@@ -57,8 +57,13 @@ def test_sample_covers_every_structural_choice():
         for knob in ("LOADS", "MASK_MODE", "KV_ORDER", "GRID_ORDER", "WARP_SPECIALIZE", "BLOCK_M", "BLOCK_N"):
             seen[knob].add(variant[knob])
     space = load_space("fwd")
+    device = gpu_fingerprint()
     for knob, choices in seen.items():
-        assert choices == set(space.knobs[knob]), f"sample misses {knob} choices"
+        # every choice some problem allows on this device (block pointers are gone in Triton >= 3.9)
+        offered = {c for c in space.knobs[knob] if any(
+            not space.violations(v.replace(**{knob: c}), Shape(1, hq, hkv, nq, nk, d, causal, "float16").problem, device)
+            for v, (nq, nk, d, hq, hkv, causal, _align) in SAMPLE)}
+        assert choices == offered, f"sample misses {knob} choices"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -19,9 +19,11 @@ def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, th
     a causal problem, the heavy_first grid order of the default and of the first earlier winner;
     then other problems' winners of the same dtype and head dim. rows: winners rows of this GPU
     (this DB's and the shipped ones)."""
-    seeds = [default]
     space = load_space(default.family)
     rows = [w for w in rows if w["op"] == problem.op and w["head_dim"] == problem.head_dim]
+    # The winner served today for this very problem (this DB's or shipped) comes first: a short
+    # search must never end below what users already get.
+    seeds = current_winners(problem, device, thash, rows) + [default]
     # (rows of the op's other current families are another space's knobs: not seeds here)
     earlier = [w for w in rows if w["problem"] == problem.key and w["template_hash"] != thash
                and codegen.family_for_hash(problem.op, w["template_hash"]) is None]
@@ -30,7 +32,14 @@ def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, th
     seeds += _valid_variants(earlier, default, problem, device, thash, space)
     seeds += _heavy_first_twins(seeds[:2], problem, device, space)
     seeds += _valid_variants(others, default, problem, device, thash, space)
-    return list(dict.fromkeys(seeds))[: max(1, budget // 4)]
+    return list(dict.fromkeys(seeds))[: max(2, budget // 4)]
+
+
+def current_winners(problem: Problem, device: GPUFingerprint, thash: str, rows: list[dict]) -> list[Variant]:
+    """The valid winners stored for this problem under this template hash (rows: this GPU's)."""
+    space = load_space(codegen.family_for_hash(problem.op, thash) or problem.op)
+    mine = [w for w in rows if w["problem"] == problem.key and w["template_hash"] == thash]
+    return _valid_variants(mine, None, problem, device, thash, space)
 
 
 def read_shipped_winners(gpu_key: str) -> list[dict]:
@@ -48,7 +57,7 @@ def read_shipped_winners(gpu_key: str) -> list[dict]:
     return rows
 
 
-def _valid_variants(rows: list[dict], default: Variant, problem: Problem, device: GPUFingerprint, thash: str,
+def _valid_variants(rows: list[dict], default: Variant | None, problem: Problem, device: GPUFingerprint, thash: str,
                     space: Space) -> list[Variant]:
     """The rows' variants that are valid for this problem; a row of an earlier template gets the
     default's value for each knob it lacks."""
@@ -56,7 +65,7 @@ def _valid_variants(rows: list[dict], default: Variant, problem: Problem, device
     for w in rows:
         try:
             knobs = json.loads(w["variant"])
-            if isinstance(knobs, dict) and w["template_hash"] != thash:
+            if isinstance(knobs, dict) and default is not None and w["template_hash"] != thash:
                 knobs = {k: knobs.get(k, value) for k, value in default.as_dict().items()}
             variants.append(space.validate(knobs, problem, device))
         except ValueError:

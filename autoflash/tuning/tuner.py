@@ -21,68 +21,25 @@ import dataclasses
 import json
 import math
 import os
-import statistics
-import time
-from typing import Callable
 
 import optuna
 
 from autoflash import codegen
 from autoflash.device import GPUFingerprint, gpu_fingerprint
-from autoflash.problem import Problem, Shape
+from autoflash.problem import Shape
 from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning import sandbox
 from autoflash.tuning.journal import journal_backend
 from autoflash.tuning.sandbox import Outcome, Sandbox
-from autoflash.tuning.seeds import read_shipped_winners, seed_variants
+from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions, median
+from autoflash.tuning.results import spread as spread_of
+from autoflash.tuning.seeds import current_winners, read_shipped_winners, seed_variants
 from autoflash.tuning.timing import tflops
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 FAILED_STATUSES = ("wrong", "compile_error", "runtime_error", "timeout", "crashed")
-
-
-@dataclasses.dataclass
-class TuneOptions:
-    trials: int = 40  # measured candidates per problem (pruned suggestions do not count)
-    budget_s: float | None = None  # whole run; split evenly over the problems left
-    top_k: int = 3
-    rounds: int = 3  # interleaved re-measurement rounds for the top candidates
-    rep_ms: float = 40
-    compile_workers: int = max(1, min(12, (os.cpu_count() or 2) - 2))
-    trial_timeout_s: float = 180
-    seed: int = 0
-    interpret: bool = False
-    # The budget's clock (injectable: tests of the budget must not depend on this machine's speed).
-    clock: Callable[[], float] = time.monotonic
-    # Test hooks: picklable top-level functions with sandbox.evaluate_variant's signature.
-    evaluate_fn: Callable | None = None
-    compile_fn: Callable | None = None
-
-
-@dataclasses.dataclass
-class ProblemResult:
-    shape: Shape
-    problem: Problem
-    winner: Variant | None
-    ms: dict  # method -> median ms: "tuned", "default", "sdpa_cudnn", "sdpa_flash"
-    spread: float
-    measured: int
-    failed: int
-    status: str  # "tuned" | "no_valid_candidate" | "skipped"
-    cut_short: bool = False  # the time budget ended the search before its trial budget
-
-    def tflops(self, method: str) -> float:
-        return tflops(self.shape, self.ms.get(method, float("nan")))
-
-
-class Reporter:
-    """Progress callbacks (the CLI draws them with rich; the library stays silent)."""
-
-    def problem_started(self, index: int, total: int, shape: Shape) -> None: ...
-    def trial_done(self, measured: int, budget: int, variant: Variant, outcome, best_tflops: float) -> None: ...
-    def problem_done(self, result: ProblemResult) -> None: ...
 
 
 def optuna_storage_path(db_path) -> str:
@@ -161,7 +118,8 @@ class Tuner:
             # Brute force: the whole space fits the budget, so no sampler; default first, then the
             # declared order. (The DB alone makes this resumable.)
             study = None
-            queue_ = [first] + [v for v in valid if v != first]
+            known = current_winners(problem, self.device, thash, self.shipped_winners + self.store.winners(self.gpu_key))
+            queue_ = list(dict.fromkeys(known + [first] + valid))
         else:
             study = optuna.create_study(
                 study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
@@ -300,18 +258,18 @@ class Tuner:
         result = self.sandbox.call(sandbox.remeasure, (methods, problem.op, shape, self.opt.rounds,
                                                        self.opt.rep_ms, self.device_str), self.opt.trial_timeout_s)
         samples = {} if isinstance(result, Outcome) else result["samples"]
-        medians = {m: _median(samples.get(m, [])) for m in methods}
+        medians = {m: median(samples.get(m, [])) for m in methods}
         finite = [m for m in top if math.isfinite(medians[m]) and medians[m] > 0]
         if not finite:  # the re-measure failed: keep the stored winner, store nothing
             return ProblemResult(shape, problem, stored, {}, math.nan, measured, failed, "remeasure_failed")
         winner_key = min(finite, key=lambda m: medians[m])
-        spread = _spread(samples.get(winner_key, []))
+        spread = spread_of(samples.get(winner_key, []))
         # Noise band: a re-tune keeps the stored winner unless a challenger beats it by more than
         # the winner's own round-to-round spread (at least 1%), so winners do not flap on noise.
         band = max(0.01, spread)
         if incumbent in finite and winner_key != incumbent and medians[incumbent] <= medians[winner_key] * (1 + band):
             winner_key = incumbent
-            spread = _spread(samples.get(winner_key, []))
+            spread = spread_of(samples.get(winner_key, []))
         ms = {"tuned": medians[winner_key], "default": medians.get(default_key, math.nan),
               "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
         family, _, winner_json = winner_key.partition(":")
@@ -387,18 +345,6 @@ def make_sampler(seed: int, trials: int) -> optuna.samplers.BaseSampler:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(multivariate=True, group=True, seed=seed,
                                           n_startup_trials=min(10, max(3, trials // 4)))
-
-
-def _spread(xs) -> float:
-    """(max - min) / median of a candidate's re-measurement rounds."""
-    m = _median(xs)
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return (max(xs) - min(xs)) / m if len(xs) > 1 and m > 0 else 0.0
-
-
-def _median(xs) -> float:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(xs) if xs else math.nan
 
 
 def representative_shapes(shapes: list[Shape]) -> list[Shape]:

@@ -1,0 +1,133 @@
+"""`autoflash bench`: autoflash vs the untuned default vs torch SDPA, TFLOP/s."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from autoflash.cli.common import console, load_shapes, output_option, require_gpu, use_interpreter
+
+
+def _overhead(bench_mod, device):
+    r = bench_mod.dispatch_overhead()
+    console.print(f"bare kernel launch {r['bare_launch_us']:.1f} µs/call, autoflash.attention "
+                  f"{r['autoflash_attention_us']:.1f} µs/call: dispatch overhead {r['overhead_us']:.1f} µs "
+                  f"({device.name}, torch {device.torch_version}, triton {device.triton_version})")
+
+
+def _llama(bench_mod, device, rounds):
+    r = bench_mod.llama_step_times(rounds=rounds)
+    t = Table(title=f"Llama (8 layers, hidden 2048, GQA 16/4, d128, bf16, batch 4 x 2048 tokens) on {device.name}")
+    for col in ("step", "sdpa ms", f"{r['name']} ms", "speed-up"):
+        t.add_column(col)
+    for step in ("inference", "train_step"):
+        base, mine = r["ms"][("sdpa", step)], r["ms"][(r["name"], step)]
+        t.add_row(step, f"{base:.2f}", f"{mine:.2f}", f"{base / mine:.3f}x")
+    console.print(t)
+    console.print(f"logits vs sdpa: relative difference {r['logits_rel_diff']:.2e}")
+
+
+def _save(bench_mod, rows, methods, title, md_path, plot_path, base=None):
+    extra = {} if base is None else {"base": base}
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(bench_mod.markdown_table(rows, methods, **extra) + "\n")
+    if plot_path:
+        bench_mod.plot(rows, methods, plot_path, title)
+        console.print(f"plot saved to {plot_path}")
+
+
+def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path):
+    import dataclasses
+
+    with console.status("benchmarking forward+backward") as status:
+        rows, peaks = bench_mod.run_fwdbwd(shape_list, rounds=rounds, memory=memory,
+                                           progress=lambda label: status.update(f"benchmarking {label}"))
+    methods = ["autoflash", "sdpa_cudnn", "sdpa_flash"]
+    title = f"forward+backward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
+    console.print(bench_mod.rich_table(rows, methods, title))
+    if memory:
+        mt = Table(title="peak memory above the inputs (GiB), forward+backward")
+        for col in ("shape", *methods, "autoflash / sdpa_flash"):
+            mt.add_column(col)
+        for r in rows:
+            label = dataclasses.replace(r.shape, op="fwd").label()
+            gib = {m: peaks.get((label, m), float("nan")) / 2**30 for m in methods}
+            mt.add_row(label, *(f"{gib[m]:.2f}" for m in methods), f"{gib['autoflash'] / gib['sdpa_flash']:.3f}")
+        console.print(mt)
+    _save(bench_mod, rows, methods, title, md_path, plot_path)
+
+
+def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path):
+    from autoflash.dispatch import get_dispatcher
+    from autoflash.space import default_variant
+
+    disp = get_dispatcher()
+    choosers = {
+        "autoflash": lambda s: disp.variant_for(s.problem, device),
+        "default": lambda s: default_variant(op, s.problem, device),
+    }
+    templates = None
+    if baseline_template:  # the dispatched variant again, rendered from the other template
+        choosers["baseline"] = choosers["autoflash"]
+        templates = {"baseline": baseline_template}
+    with console.status("benchmarking") as status:
+        rows = bench_mod.run_bench(shape_list, choosers, rounds=rounds, device="cpu" if interpret else "cuda",
+                                   progress=lambda label: status.update(f"benchmarking {label}"), templates=templates)
+    methods = list(choosers) + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
+    base = "baseline" if baseline_template else "default" if interpret else "sdpa_cudnn"
+    title = (f"{'forward' if op == 'fwd' else 'backward'} TFLOP/s on {device.name}, torch {device.torch_version}, "
+             f"triton {device.triton_version}")
+    if interpret:
+        title += " (interpreter wall clock: not GPU performance)"
+    console.print(bench_mod.rich_table(rows, methods, title, base=base))
+    _save(bench_mod, rows, methods, title, md_path, plot_path, base=base)
+
+
+@click.command()
+@click.option("--shapes", default="standard", show_default=True,
+              help="Shape set: standard, gqa, tiny, or a TOML file.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Interleaved timing rounds per shape.")
+@output_option("--plot", "plot_path", help="Save a bar chart (PNG) here.")
+@output_option("--markdown", "md_path", help="Write the table as Markdown here.")
+@click.option("--fwdbwd", is_flag=True, help="Time forward+backward through autograd instead of the forward.")
+@click.option("--memory", is_flag=True, help="With --fwdbwd: also report each method's peak memory above its inputs.")
+@click.option("--overhead", is_flag=True, help="Per-call host overhead of autoflash.attention vs a bare kernel launch.")
+@click.option("--llama", is_flag=True,
+              help="A small random-weight Llama (transformers) with 'sdpa' vs autoflash's attention: ms per step.")
+@click.option("--op", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True,
+              help="Time the forward or the backward kernels (without --fwdbwd/--overhead/--llama).")
+@click.option("--baseline-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Also time each shape's variant rendered from this template file (e.g. the previous "
+                   "version of the op's template), as method 'baseline': an A/B of a template edit. A knob "
+                   "value that template does not know renders as that template treats it.")
+@click.option("--interpret", is_flag=True,
+              help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
+def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, op, baseline_template, interpret):
+    """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
+
+    All methods are timed in this one process, interleaved, median of do_bench medians.
+
+    Example: autoflash bench --shapes standard --plot bench.png
+    Example: git show HEAD~1:templates/attn_fwd.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja
+    """
+    if interpret:
+        use_interpreter()
+        shapes = "tiny" if shapes == "standard" else shapes
+        if fwdbwd or overhead or llama:
+            raise click.ClickException("--fwdbwd, --overhead and --llama need a CUDA GPU")
+    else:
+        require_gpu("autoflash bench", " Use --interpret to check the pipeline on tiny shapes on the CPU.")
+    from autoflash import bench as bench_mod
+    from autoflash.device import gpu_fingerprint
+
+    device = gpu_fingerprint()
+    if overhead:
+        return _overhead(bench_mod, device)
+    if llama:
+        return _llama(bench_mod, device, rounds)
+    shape_list = load_shapes(shapes, op)
+    if fwdbwd:
+        return _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path)
+    _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path)

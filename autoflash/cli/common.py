@@ -1,0 +1,163 @@
+"""What the command modules share: the console, problem options, parameter checks, GPU/interpreter
+set-up, opening a results DB, and turning library errors into one-line CLI errors."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sqlite3
+import tomllib
+
+import click
+from rich.console import Console
+
+from autoflash.problem import DTYPES, Problem, seqlen_bucket
+
+console = Console()
+MAX_HEAD_DIM = 256  # autoflash.api.MAX_HEAD_DIM (not imported: api imports torch)
+OPS = ("fwd", "bwd")
+
+
+# --------------------------------------------------------------------------- errors
+def one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def friendly_errors(fn):
+    """Command boundary: library errors from a user's input (a bad file, a DB that cannot be
+    used, an unreadable path) become one-line click errors, never tracebacks."""
+    from autoflash.store import StoreError
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except tomllib.TOMLDecodeError as e:
+            raise click.ClickException(f"invalid TOML: {one_line(e)}") from None
+        except sqlite3.OperationalError as e:
+            hint = " (another process is using the DB; try again when it is done)" if "locked" in str(e) else ""
+            raise click.ClickException(f"database error: {one_line(e)}{hint}") from None
+        except (StoreError, sqlite3.Error) as e:
+            raise click.ClickException(one_line(e)) from None
+        except OSError as e:
+            where = f" {e.filename}" if getattr(e, "filename", None) else ""
+            raise click.ClickException(f"cannot access{where}: {e.strerror or one_line(e)}") from None
+        except ValueError as e:
+            raise click.ClickException(one_line(e)) from None
+    return wrapper
+
+
+class FriendlyGroup(click.Group):
+    """A click group whose commands report library errors in one line and whose Ctrl-C says
+    'interrupted' and exits 130 (click alone prints 'Aborted!' and exits 1)."""
+
+    def add_command(self, cmd, name=None):
+        if cmd.callback is not None and not isinstance(cmd, click.Group):
+            cmd.callback = friendly_errors(cmd.callback)
+        super().add_command(cmd, name)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            interrupted()
+
+
+def interrupted():
+    """Say that the run was interrupted (finished work is stored) and exit 130 like a shell."""
+    console.print("[yellow]interrupted[/] (finished work is stored; a re-run resumes)")
+    raise click.exceptions.Exit(130)
+
+
+# --------------------------------------------------------------------------- options
+def _check_head_dim(ctx, param, value):
+    if value is not None and value % 8:
+        raise click.BadParameter(f"{value} is not a multiple of 8 (head dims 8..{MAX_HEAD_DIM})")
+    return value
+
+
+def problem_options(f):
+    f = click.option("--causal/--no-causal", default=False, show_default=True, help="Causal problem.")(f)
+    f = click.option("--head-dim", type=click.IntRange(8, MAX_HEAD_DIM), default=128, show_default=True,
+                     callback=_check_head_dim, help="Head dim (a multiple of 8 up to 256).")(f)
+    f = click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True)(f)
+    f = click.option("--op", type=click.Choice(OPS), default="fwd", show_default=True, help="Kernel op.")(f)
+    return f
+
+
+def problem(op, dtype, head_dim, causal, seqlen=4096) -> Problem:
+    return Problem(op=op, dtype=dtype, head_dim=head_dim, causal=causal, gqa_group=1,
+                   seqlen_q=seqlen_bucket(seqlen), seqlen_k=seqlen_bucket(seqlen))
+
+
+def check_output_path(ctx, param, value):
+    """An output file's folder must exist (checked before any work is done); '-' is stdout."""
+    if value is None or value == "-":
+        return value
+    parent = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(parent):
+        raise click.BadParameter(f"folder {parent} does not exist")
+    if os.path.isdir(value):
+        raise click.BadParameter(f"{value} is a folder")
+    return value
+
+
+def output_option(*decls, **kwargs):
+    """An option naming a file to write: its folder must exist."""
+    return click.option(*decls, type=click.Path(dir_okay=False), callback=check_output_path, **kwargs)
+
+
+def load_shapes(value: str, op: str = "fwd", param_hint: str = "'--shapes'"):
+    """The shapes of a named set or TOML file; a bad name or file is a usage error naming the option."""
+    from autoflash.shapes import load_shape_set
+
+    try:
+        return load_shape_set(value, op)
+    except tomllib.TOMLDecodeError as e:
+        raise click.BadParameter(f"{value} is not a valid TOML file: {one_line(e)}", param_hint=param_hint) from None
+    except (KeyError, TypeError) as e:
+        raise click.BadParameter(f"{value}: a shape entry is incomplete or malformed ({type(e).__name__}: "
+                                 f"{one_line(e)})", param_hint=param_hint) from None
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(one_line(e), param_hint=param_hint) from None
+
+
+# --------------------------------------------------------------------------- environment
+def use_interpreter() -> None:
+    """Run kernels in Triton's CPU interpreter from here on (set before any kernel module loads);
+    the GPU fingerprint becomes the interpreter's."""
+    from autoflash.device import gpu_fingerprint
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    gpu_fingerprint.cache_clear()
+
+
+def require_gpu(what: str, hint: str = "") -> None:
+    import torch
+
+    from autoflash.device import interpreter_enabled
+
+    if not torch.cuda.is_available() or interpreter_enabled():
+        raise click.ClickException(f"{what} needs a CUDA GPU: none is visible here.{hint}")
+
+
+def open_store(db_file, readonly: bool):
+    """Open a results DB (the user DB when db_file is None). When another process holds its lock,
+    say so before waiting for it; a DB that cannot be used is a one-line error."""
+    from autoflash.store import Store, StoreError, default_db_path
+    from autoflash.store_queries import is_locked
+
+    path = db_file or default_db_path()
+    if is_locked(path, write=not readonly):
+        click.echo(f"waiting for the DB lock on {path} (another process is writing it)...", err=True)
+    try:
+        return Store(path, readonly=readonly)
+    except StoreError as e:
+        raise click.ClickException(one_line(e)) from None
+
+
+db_file_option = click.option("--db", "db_file", type=click.Path(dir_okay=False), default=None,
+                              help="DB file (default: the user DB).")

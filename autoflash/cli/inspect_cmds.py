@@ -1,0 +1,72 @@
+"""`autoflash info` and `autoflash which`: what this machine is, and which kernels it is served."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from autoflash.cli.common import console, load_shapes, use_interpreter
+
+
+@click.command()
+def info():
+    """This machine's GPU fingerprint, versions, DB paths and how many tuned winners apply here.
+
+    Example: autoflash info
+    """
+    from autoflash import codegen
+    from autoflash.device import gpu_fingerprint
+    from autoflash.dispatch import WinnerTable
+
+    device = gpu_fingerprint()
+    t = Table(title="autoflash info", show_header=False)
+    for k, v in device.as_dict().items():
+        t.add_row(k, str(v))
+    t.add_row("gpu key", device.key)
+    for op in ("fwd", "bwd"):
+        t.add_row(f"template hash ({op})", codegen.template_hash(op))
+    t.add_row("kernel cache", str(codegen.kernel_cache_dir()))
+    paths = WinnerTable.default_paths()
+    for i, path in enumerate(paths):
+        label = "user DB" if i == 0 else "shipped DB"
+        t.add_row(label, f"{path}{'' if path.is_file() else ' (absent)'}")
+    table = WinnerTable(device, paths)
+    t.add_row("winners that apply here", str(len(table.rows)))
+    console.print(t)
+
+
+@click.command()
+@click.option("--shapes", default="standard", show_default=True,
+              help="Shape set (standard, gqa, long, ...) or a TOML file.")
+@click.option("--op", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True, help="Kernel op.")
+@click.option("--interpret", is_flag=True, help="Resolve for the Triton CPU interpreter instead of the GPU.")
+def which(shapes, op, interpret):
+    """Which kernel autoflash.attention serves for each shape on this machine, and where it comes from.
+
+    For each shape: the problem key, whether a tuned winner matched (exact or nearest seqlen bucket)
+    or the built-in default is used, the DB file the winner was read from, and the variant.
+    Nothing is compiled or launched.
+
+    Example: autoflash which --shapes standard
+    """
+    import dataclasses
+    from pathlib import Path
+
+    if interpret:
+        use_interpreter()
+    from autoflash.device import gpu_fingerprint
+    from autoflash.dispatch import get_dispatcher
+
+    shape_list = load_shapes(shapes)
+    device = gpu_fingerprint()
+    disp = get_dispatcher()
+    t = Table(title=f"kernels served on {device.name} ({op}, contiguous inputs)")
+    for col in ("shape", "problem", "winner", "from", "variant"):
+        t.add_column(col)
+    for shape in shape_list:
+        problem = dataclasses.replace(shape, op=op).problem
+        _, how, origin = disp.winners(device).explain(problem)
+        variant = disp.variant_for(problem, device)
+        t.add_row(shape.label(), problem.key, how, Path(origin).name if origin else "built-in",
+                  f"{variant.family}: {variant.short()}")
+    console.print(t)

@@ -1,0 +1,220 @@
+"""`autoflash tune` (with its progress reporter and result table) and `autoflash search-quality`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.table import Table
+
+from autoflash.cli.common import (OPS, console, load_shapes, one_line, output_option, require_gpu,
+                                  use_interpreter)
+from autoflash.problem import DTYPES, Problem
+
+
+class _RichReporter:
+    """Draws tuning progress: a bar over problems and one over the current problem's trials."""
+
+    def __init__(self, progress):
+        self.progress = progress
+        self.problems = None
+        self.trials = None
+
+    def problem_started(self, index, total, shape):
+        if self.problems is None:
+            self.problems = self.progress.add_task("problems", total=total)
+        self.progress.update(self.problems, completed=index, description=f"problem {index + 1}/{total}")
+        if self.trials is not None:
+            self.progress.remove_task(self.trials)
+        self.trials = self.progress.add_task(shape.label(), total=None)
+
+    def trial_done(self, measured, budget, variant, outcome, best_tflops):
+        best = f"best {best_tflops:.1f} TFLOP/s" if best_tflops == best_tflops else "no valid candidate yet"
+        self.progress.update(self.trials, completed=measured, total=budget,
+                             description=f"{best} | last: {outcome.status}")
+
+    def problem_done(self, result):
+        self.progress.advance(self.problems)
+        if result.winner is not None:
+            self.progress.console.print(
+                f"[green]{result.shape.label()}[/]: {result.tflops('tuned'):.1f} TFLOP/s "
+                f"(default {result.tflops('default'):.1f}) after {result.measured} trials, "
+                f"{result.failed} failed; winner {result.winner.short()}")
+        else:
+            self.progress.console.print(f"[red]{result.shape.label()}[/]: {result.status}")
+
+
+def _results_table(results, title):
+    """One row per problem: TFLOP/s of the tuned winner, the default and (on a GPU) SDPA, ratios."""
+    import math
+
+    from autoflash.bench import fmt_tflops
+    from autoflash.problem import geomean
+
+    def ratio(r, a, b):
+        x, y = r.tflops(a), r.tflops(b)
+        return x / y if math.isfinite(x) and math.isfinite(y) and y > 0 else float("nan")
+
+    with_sdpa = any(math.isfinite(r.tflops("sdpa_cudnn")) for r in results)
+    methods = ["tuned", "default"] + (["sdpa_cudnn", "sdpa_flash"] if with_sdpa else [])
+    bases = (["sdpa_cudnn", "sdpa_flash"] if with_sdpa else []) + ["default"]
+    t = Table(title=title)
+    t.add_column("shape", overflow="fold", min_width=14)
+    for m in methods:
+        t.add_column(m.replace("sdpa_", ""), justify="right")
+    for b in bases:
+        t.add_column(f"tuned /{b.replace('sdpa_', '')}", justify="right")
+    t.add_column("spread", justify="right")
+    t.add_column("trials (failed)", justify="right")
+    for r in results:
+        ratios = [ratio(r, "tuned", b) for b in bases]
+        t.add_row(r.shape.label(), *(fmt_tflops(r.tflops(m)) for m in methods),
+                  *(f"{x:.2f}" if x == x else "-" for x in ratios),
+                  f"{r.spread * 100:.1f}%" if r.spread == r.spread else "-", f"{r.measured} ({r.failed})")
+    means = [geomean([ratio(r, "tuned", b) for r in results]) for b in bases]
+    t.add_row("[bold]geomean[/]", *([""] * len(methods)), *(f"[bold]{m:.3f}[/]" if m == m else "-" for m in means),
+              "", "")
+    return t
+
+
+def _parse_ops(ops: str) -> list[str]:
+    op_list = [o.strip() for o in ops.split(",") if o.strip()]
+    unknown = [o for o in op_list if o not in OPS]
+    if unknown or not op_list:
+        raise click.BadParameter(f"unknown op(s) {unknown or ops!r}: choose from fwd, bwd", param_hint="'--ops'")
+    return op_list
+
+
+def _tune_shapes(op_list, shapes, dtype, interpret):
+    import dataclasses
+
+    shape_list = [s for op in op_list for s in load_shapes(shapes or ("tiny" if interpret else "standard"), op)]
+    if dtype:
+        shape_list = [dataclasses.replace(s, dtype=dtype) for s in shape_list]
+    if interpret and any(s.dtype == "bfloat16" for s in shape_list):
+        raise click.ClickException("bfloat16 is not computed correctly by Triton's interpreter: use --dtype float16")
+    return shape_list
+
+
+def _report(results, store, op_list, device, interpret, md_path, trials):
+    title = f"TFLOP/s ({', '.join(op_list)}) on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
+    if interpret:
+        title += " (interpreter: not GPU performance)"
+    table = _results_table(results, title)
+    console.print(table)
+    if md_path:
+        from rich.console import Console as _Console
+
+        with open(md_path, "w") as f:
+            _Console(file=f, width=200, color_system=None).print(table)
+    short = [r for r in results if r.cut_short]
+    if short:
+        console.print(f"[yellow]{len(short)} of {len(results)} problems reached the time budget before {trials} "
+                      f"measured candidates (fewest: {min(r.measured for r in short)}). Short searches miss good "
+                      "variants: the same command with a larger --budget continues them (trials already in "
+                      "the DB count).[/]")
+    counts = store.counts()
+    console.print(f"DB {store.path}: {counts['winners']} winners, {counts['trials']} trials")
+
+
+@click.command()
+@click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune: fwd, bwd.")
+@click.option("--shapes", default=None, help="Shape set: standard (default), gqa, long, train (backward grid), llama (the problem of `bench --llama`), sweep_d64, sweep_d256, tiny (default with --interpret), or a TOML file.")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Override the shape set's dtype.")
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Time budget for the whole run, in minutes (default: none).")
+@click.option("--trials", type=click.IntRange(min=1), default=40, show_default=True, help="Measured candidates per problem.")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None,
+              help="Results DB (default: $AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db).")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Parallel compile processes (default: cores - 2, max 12).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
+@click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=40, show_default=True,
+              help="do_bench repetition time per candidate (ms).")
+@click.option("--interpret", is_flag=True,
+              help="Run the whole pipeline on tiny shapes in Triton's CPU interpreter (no GPU; timings are not GPU performance).")
+@output_option("--markdown", "md_path", help="Also write the final table as Markdown.")
+def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, interpret, md_path):
+    """Tune this GPU: search kernel variants per problem, store the winners.
+
+    Every candidate is checked against a float64 reference before it is timed; failures
+    (compile errors, wrong results, crashes, hangs) are recorded and the run goes on. Interrupt
+    it at any time: finished trials are stored and a re-run resumes.
+
+    Example: autoflash tune --budget 15
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from autoflash.cli.common import open_store
+    from autoflash.device import gpu_fingerprint
+    from autoflash.tuning import tuner as tune_mod
+
+    op_list = _parse_ops(ops)
+    if interpret:
+        use_interpreter()
+    else:
+        require_gpu("autoflash tune", " Use --interpret to run the whole pipeline on tiny shapes in "
+                    "Triton's CPU interpreter (correctness is real, timings are not GPU performance).")
+    shape_list = _tune_shapes(op_list, shapes, dtype, interpret)
+    options = tune_mod.TuneOptions(trials=trials, budget_s=budget * 60 if budget else None, seed=seed,
+                                   rep_ms=rep_ms, interpret=interpret)
+    if workers:
+        options.compile_workers = workers
+    store = open_store(db_path, readonly=False)
+    device = gpu_fingerprint()
+    console.print(f"tuning {len(tune_mod.representative_shapes(shape_list))} problems on [bold]{device.name}[/] "
+                  f"(torch {device.torch_version}, triton {device.triton_version}) -> {store.path}")
+    if interpret:
+        console.print("[yellow]interpreter mode: kernels run on the CPU; correctness is real, timings are not "
+                      "GPU performance. A CUDA GPU is needed for real tuning.[/]")
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as progress:
+        results = tune_mod.tune(shape_list, store, options, reporter=_RichReporter(progress),
+                                command=" ".join(["autoflash", *sys.argv[1:]]))
+    _report(results, store, op_list, device, interpret, md_path, trials)
+
+
+@click.command("search-quality")
+@click.option("--db", "db_path", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="A DB holding an exhaustive sweep (autoflash tune --trials 100000).")
+@click.option("--problem", "problem_key", default=None, help="Problem key (default: every problem in the DB).")
+@click.option("--seeds", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--trials", type=click.IntRange(min=1), default=110, show_default=True, help="Search length replayed per seed.")
+@click.option("--tolerance", type=click.FloatRange(min=0), default=0.02, show_default=True)
+def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
+    """Replay the tuner's Optuna sampler against an exhaustive sweep's recorded timings.
+
+    Reports how many trials the search needs to come within --tolerance of the exhaustive best
+    (per seed), next to random search on the same table. No GPU needed: the objective is the
+    recorded measurement of each variant.
+
+    Example: autoflash search-quality --db docs/results/2026-11-30-h200-sweep-d64.db
+    """
+    import statistics
+
+    from autoflash.cli.common import open_store
+    from autoflash.device import GPUFingerprint
+    from autoflash.store_queries import measured_timings, trial_problem_keys
+    from autoflash.tuning.search_quality import search_quality
+
+    store = open_store(db_path, readonly=True)
+    if problem_key:
+        try:
+            Problem.from_key(problem_key)
+        except (ValueError, KeyError, IndexError) as e:
+            raise click.BadParameter(f"not a problem key: {one_line(e)}", param_hint="'--problem'") from None
+    keys = [problem_key] if problem_key else trial_problem_keys(store)
+    t = Table(title=f"search quality: trials to come within {tolerance:.0%} of the exhaustive best")
+    for col in ("problem", "variants", "within tol.", "default/best", "TPE per seed", "TPE median", "random median"):
+        t.add_column(col)
+    for key in keys:
+        gpu, table = measured_timings(store, key)
+        if gpu is None:
+            continue
+        device = GPUFingerprint(**{k: gpu[k] for k in GPUFingerprint.__dataclass_fields__})
+        q = search_quality(table, Problem.from_key(key), device, seeds, min(trials, len(table)), tolerance)
+        found = [x for x in q["tpe"] if x is not None]
+        t.add_row(key, str(q["space"]), str(q["within_tolerance"]),
+                  f"{q['default_ms'] / q['best_ms']:.3f}" if q["default_ms"] else "-",
+                  ", ".join(str(x) if x else "not found" for x in q["tpe"]),
+                  f"{statistics.median(found):.0f}" if found else "-", f"{q['random_median']:.0f}")
+    console.print(t)

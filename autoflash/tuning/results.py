@@ -1,0 +1,69 @@
+"""What a tuning run is given and gives back: its options, one result per problem, the progress
+callbacks, and the statistics of re-measured candidates."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+from typing import Callable
+
+from autoflash.problem import Problem, Shape
+from autoflash.space import Variant
+from autoflash.tuning.timing import tflops
+
+
+@dataclasses.dataclass
+class TuneOptions:
+    trials: int = 40  # measured candidates per problem (pruned suggestions do not count)
+    budget_s: float | None = None  # whole run; split evenly over the problems left
+    top_k: int = 3
+    rounds: int = 3  # interleaved re-measurement rounds for the top candidates
+    rep_ms: float = 40
+    compile_workers: int = max(1, min(12, (os.cpu_count() or 2) - 2))
+    trial_timeout_s: float = 180
+    seed: int = 0
+    interpret: bool = False
+    # The budget's clock (injectable: tests of the budget must not depend on this machine's speed).
+    clock: Callable[[], float] = time.monotonic
+    # Test hooks: picklable top-level functions with sandbox.evaluate_variant's signature.
+    evaluate_fn: Callable | None = None
+    compile_fn: Callable | None = None
+
+
+@dataclasses.dataclass
+class ProblemResult:
+    shape: Shape
+    problem: Problem
+    winner: Variant | None
+    ms: dict  # method -> median ms: "tuned", "default", "sdpa_cudnn", "sdpa_flash"
+    spread: float
+    measured: int
+    failed: int
+    status: str  # "tuned" | "no_valid_candidate" | "skipped"
+    cut_short: bool = False  # the time budget ended the search before its trial budget
+
+    def tflops(self, method: str) -> float:
+        return tflops(self.shape, self.ms.get(method, float("nan")))
+
+
+class Reporter:
+    """Progress callbacks (the CLI draws them with rich; the library stays silent)."""
+
+    def problem_started(self, index: int, total: int, shape: Shape) -> None: ...
+    def trial_done(self, measured: int, budget: int, variant: Variant, outcome, best_tflops: float) -> None: ...
+    def problem_done(self, result: ProblemResult) -> None: ...
+
+
+def spread(xs) -> float:
+    """(max - min) / median of a candidate's re-measurement rounds."""
+    m = median(xs)
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return (max(xs) - min(xs)) / m if len(xs) > 1 and m > 0 else 0.0
+
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(xs) if xs else math.nan

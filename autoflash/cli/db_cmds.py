@@ -140,7 +140,7 @@ def db_export(db_file, fmt, table, op, current, output):
 
     def keep(row) -> bool:
         return ((op is None or row["op"] == op)
-                and (not current or row["template_hash"] == codegen.template_hash(row["op"])))
+                and (not current or codegen.family_for_hash(row["op"], row["template_hash"]) is not None))
 
     store = open_store(db_file, readonly=True)
     if fmt == "sqlite":

@@ -15,6 +15,7 @@ def info():
     Example: autoflash info
     """
     from autoflash import codegen
+    from autoflash.space import FAMILIES
     from autoflash.device import gpu_fingerprint
     from autoflash.dispatch import WinnerTable
 
@@ -23,8 +24,8 @@ def info():
     for k, v in device.as_dict().items():
         t.add_row(k, str(v))
     t.add_row("gpu key", device.key)
-    for op in ("fwd", "bwd"):
-        t.add_row(f"template hash ({op})", codegen.template_hash(op))
+    for family in FAMILIES:
+        t.add_row(f"template hash ({family})", codegen.template_hash(family))
     t.add_row("kernel cache", str(codegen.kernel_cache_dir()))
     paths = WinnerTable.default_paths()
     for i, path in enumerate(paths):

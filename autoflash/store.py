@@ -293,17 +293,9 @@ class Store:
         the row and field), then one transaction writes them. Idempotent; on a key present in both,
         the faster row is kept. Rows whose variant is not in the declared search space are rejected
         (counted, not stored)."""
-        from autoflash.space import InvalidVariant, load_space
-
         gpus, rows = validate_export(data)
-        accepted, rejected = [], 0
-        for row in rows:
-            try:
-                load_space(row["op"]).check_declared(json.loads(row["variant"]))
-            except (InvalidVariant, ValueError, KeyError, TypeError):
-                rejected += 1
-                continue
-            accepted.append(row)
+        accepted = [row for row in rows if _declared_in_some_family(row)]
+        rejected = len(rows) - len(accepted)
 
         def write(conn) -> dict:
             counts = {"added": 0, "updated": 0, "unchanged": 0, "rejected": rejected}
@@ -373,3 +365,21 @@ def _num(x):
 
 def rows_to_json(rows: Iterable[dict]) -> str:
     return json.dumps(list(rows), indent=1, sort_keys=True)
+
+
+def _declared_in_some_family(row: dict) -> bool:
+    """Whether a row's variant uses only declared knobs and values of one of its op's kernel
+    families (which family is the dispatcher's business: it reads the template hash)."""
+    from autoflash.space import families_for, load_space
+
+    try:
+        knobs = json.loads(row["variant"])
+    except (ValueError, TypeError):
+        return False
+    for family in families_for(row["op"]):
+        try:
+            load_space(family).check_declared(knobs)
+            return True
+        except ValueError:  # (InvalidVariant is a ValueError)
+            continue
+    return False

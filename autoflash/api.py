@@ -9,7 +9,6 @@ silently; with AUTOFLASH_STRICT=1 each fallback raises `FallbackError` instead.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import warnings
@@ -114,8 +113,8 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
         return f"{q.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)"
     if interpreter_enabled() and q.dtype == torch.bfloat16:
         return "bfloat16 is not computed correctly by Triton's CPU interpreter"
-    if interpreter_enabled() and _interpreter_numpy_problem():
-        return _interpreter_numpy_problem()
+    if interpreter_enabled() and INTERPRETER_NUMPY_PROBLEM:
+        return INTERPRETER_NUMPY_PROBLEM
     d, dv = q.shape[-1], v.shape[-1]
     if dv != d:
         return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
@@ -126,7 +125,6 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def _interpreter_numpy_problem() -> str | None:
     """Triton 3.6's interpreter fails with numpy >= 2.4 ("only 0-dimensional arrays can be
     converted"); newer Triton releases do not. Checked here, where it matters, not by a pin."""
@@ -139,6 +137,9 @@ def _interpreter_numpy_problem() -> str | None:
     if triton_release(triton.__version__) <= (3, 6) and numpy_release >= (2, 4):
         return f"Triton {triton.__version__}'s CPU interpreter needs numpy < 2.4 (installed: {numpy.__version__})"
     return None
+
+
+INTERPRETER_NUMPY_PROBLEM = _interpreter_numpy_problem()
 
 
 def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scale: float | None = None,

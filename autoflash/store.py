@@ -25,15 +25,10 @@ from typing import Iterable
 
 import sqlite_utils
 
-from autoflash.store_validate import _connect_readonly, _refuse_foreign, _same_file, validate_export
+from autoflash.store_validate import (SCHEMA_VERSION, StoreError, _connect_readonly, _refuse_foreign,  # noqa: F401
+                                      _same_file, validate_export)
 
-SCHEMA_VERSION = 1
 BUSY_TIMEOUT_MS = 30_000
-
-
-class StoreError(RuntimeError):
-    """A database that cannot be used (corrupt, foreign schema version, unreadable)."""
-
 
 def default_db_path() -> pathlib.Path:
     """$AUTOFLASH_DB, else $XDG_CACHE_HOME/autoflash/autoflash.db, else ~/.cache/autoflash/autoflash.db."""
@@ -211,6 +206,37 @@ class Store:
             with self.db.conn:
                 return self.db["trials"].insert(row).last_pk
         return self._retry(insert)
+
+    def claim_trial(self, *, run_id, gpu_key, problem, template_hash, variant_json, shape=None) -> int | None:
+        """Claim a candidate before measuring it: a 'running' trial row, unless the variant already
+        has a row for this problem (measured, failed, or claimed by a concurrent tuner on this DB):
+        then None. The check and the insert are one transaction, so two tuners never both measure."""
+        def claim(conn):
+            taken = conn.execute("select 1 from trials where gpu_key = ? and problem = ? and template_hash = ? "
+                                 "and variant = ? limit 1", [gpu_key, problem.key, template_hash, variant_json])
+            if taken.fetchone():
+                return None
+            row = {"run_id": run_id, "gpu_key": gpu_key, "problem": problem.key, **_problem_cols(problem),
+                   "template_hash": template_hash, "variant": variant_json, "status": "running", "message": "",
+                   "shape": json.dumps(shape) if shape is not None else None, "created_at": now()}
+            cols = ", ".join(row)
+            return conn.execute(f"insert into trials ({cols}) values ({', '.join('?' * len(row))})",
+                                list(row.values())).lastrowid
+        return self._transaction(claim)
+
+    def finish_trial(self, trial_id: int, *, status, median_ms=None, tflops=None, err=None, sdpa_err=None,
+                     message="", seconds=None) -> None:
+        """The measurement of a claimed trial."""
+        values = {"status": status, "median_ms": _num(median_ms), "tflops": _num(tflops), "err": _num(err),
+                  "sdpa_err": _num(sdpa_err), "message": message, "seconds": _num(seconds)}
+        self._retry(lambda: self.db["trials"].update(trial_id, values))
+
+    def drop_orphan_claims(self) -> int:
+        """Claims ('running' trials) of runs that are not running any more (killed): free again."""
+        def drop(conn):
+            return conn.execute("delete from trials where status = 'running' and run_id in "
+                                "(select id from runs where status != 'running')").rowcount
+        return self._transaction(drop)
 
     def set_winner(self, *, gpu_key, problem, template_hash, variant_json, median_ms, spread, tflops,
                    trials, run_id=None, default_ms=None, sdpa_cudnn_ms=None, sdpa_flash_ms=None, shape=None,

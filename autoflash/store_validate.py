@@ -29,9 +29,14 @@ _OPTIONAL_COUNT = ("trials", "run_id")  # None or an integer >= 0
 _OPTIONAL_TEXT = ("shape", "updated_at")
 
 
-def _error(what: str, message: str):
-    from autoflash.store import StoreError
+SCHEMA_VERSION = 1  # of the results DB (autoflash.store re-exports it)
 
+
+class StoreError(RuntimeError):
+    """A database that cannot be used (corrupt, foreign schema version, unreadable)."""
+
+
+def _error(what: str, message: str):
     return StoreError(f"{what}: {message}")
 
 
@@ -113,8 +118,6 @@ def validate_gpu(row, index: int) -> dict:
 
 def validate_export(data) -> tuple[list[dict], list[dict]]:
     """(gpus, winners) of an export, every row checked; StoreError at the first bad one."""
-    from autoflash.store import SCHEMA_VERSION
-
     if not isinstance(data, dict) or data.get("format") != "autoflash-winners":
         raise _error("import", "not an autoflash winners export (missing format: autoflash-winners)")
     if data.get("schema_version") != SCHEMA_VERSION:
@@ -173,8 +176,6 @@ def _refuse_foreign(path: pathlib.Path, timeout: float) -> None:
         conn.close()
     if tables and "_meta" not in tables:
         shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-        from autoflash.store import StoreError
-
         raise StoreError(f"{path} is not an autoflash database (it has tables {shown} but no _meta): "
                          "refusing to modify it; pass another --db")
 

@@ -61,6 +61,7 @@ class Tuner:
         self.gpu_key = store.add_gpu(self.device)
         self.shipped_winners = read_shipped_winners(self.gpu_key)  # warm-start seeds, read once per run
         store.mark_dead_runs()  # runs a kill left 'running' (their trials are kept and resumed)
+        store.drop_orphan_claims()  # candidates those runs claimed but never measured
         self.run_id = store.start_run(self.gpu_key, command)
         self.sandbox = Sandbox(self.device_str, env)
         self.compilers = None if options.interpret else sandbox.WorkerPool(options.compile_workers, self.device_str, env)
@@ -114,21 +115,7 @@ class Tuner:
         mine = {r["variant"]: r for r in self.store.trials_for(self.gpu_key, problem.key, thash)}
         done.update({f"{family}:{k}": r for k, r in mine.items()})
         budget = min(trials, len(valid))
-        if len(valid) <= trials:
-            # Brute force: the whole space fits the budget, so no sampler; default first, then the
-            # declared order. (The DB alone makes this resumable.)
-            study = None
-            known = current_winners(problem, self.device, thash, self.shipped_winners + self.store.winners(self.gpu_key))
-            queue_ = list(dict.fromkeys(known + [first] + valid))
-        else:
-            study = optuna.create_study(
-                study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
-                load_if_exists=True, sampler=make_sampler(self.opt.seed, trials))
-            if not study.trials:
-                rows = self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim) + self.shipped_winners
-                for seed_variant in seed_variants(first, problem, self.device, thash, rows, budget):
-                    study.enqueue_trial(seed_variant.as_dict(), skip_if_exists=True)
-
+        study, queue_ = self._open_search(problem, thash, first, valid, trials, budget)
         measured = sum(1 for r in mine.values() if r["status"] != "pruned")
         failed = 0
         best = min((r["median_ms"] for r in done.values() if r["status"] == "ok" and r["median_ms"]), default=math.inf)
@@ -162,12 +149,18 @@ class Tuner:
                 if not time_left():
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
+                claim = self.store.claim_trial(run_id=self.run_id, gpu_key=self.gpu_key, problem=problem,
+                                               template_hash=thash, variant_json=variant.json(),
+                                               shape=dataclasses.asdict(shape))
+                if claim is None:  # a concurrent tuner on this DB measured (or is measuring) it: share
+                    _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
+                    continue
                 if c.status == "crashed":  # the compile worker died: the compiler aborted on this variant
                     c = Outcome("compile_error", message=f"compiler crashed: {c.message}", seconds=c.seconds)
                 outcome = c if c.status != "ok" else self.sandbox.evaluate(
                     variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s,
                     fn=self.opt.evaluate_fn)
-                row = self._record(problem, thash, variant, outcome, shape)
+                row = self._record(claim, variant, outcome, shape)
                 mine[variant.json()] = done[f"{family}:{variant.json()}"] = row
                 measured += 1
                 self.total_measured += 1
@@ -179,6 +172,22 @@ class Tuner:
                     _tell(study, trial, state=optuna.trial.TrialState.FAIL)
                 self.reporter.trial_done(measured, budget, variant, outcome, tflops(shape, best))
         return measured, failed
+
+    def _open_search(self, problem, thash: str, first: Variant, valid: list, trials: int, budget: int):
+        """(Optuna study, None), or (None, candidate queue) when the whole space fits the budget."""
+        if len(valid) <= trials:
+            # Brute force: no sampler; the stored winner and the default first, then the declared
+            # order. (The DB alone makes this resumable.)
+            known = current_winners(problem, self.device, thash, self.shipped_winners + self.store.winners(self.gpu_key))
+            return None, list(dict.fromkeys(known + [first] + valid))
+        study = optuna.create_study(
+            study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
+            load_if_exists=True, sampler=make_sampler(self.opt.seed, trials))
+        if not study.trials:
+            rows = self.store.winners(self.gpu_key, op=problem.op, head_dim=problem.head_dim) + self.shipped_winners
+            for seed_variant in seed_variants(first, problem, self.device, thash, rows, budget):
+                study.enqueue_trial(seed_variant.as_dict(), skip_if_exists=True)
+        return study, None
 
     def _ask_batch(self, study, space, problem, done: dict, n: int) -> list:
         batch, seen, attempts = [], set(), 0
@@ -213,12 +222,10 @@ class Tuner:
         args = [(v.json(), v.family, shape, self.opt.rep_ms, self.device_str) for _, v in batch]
         return self.compilers.map_async(fn, args, self.opt.trial_timeout_s)
 
-    def _record(self, problem, thash, variant, outcome, shape) -> dict:
+    def _record(self, claim: int, variant, outcome, shape) -> dict:
         tf = tflops(shape, outcome.ms) if outcome.status == "ok" else None
-        self.store.add_trial(run_id=self.run_id, gpu_key=self.gpu_key, problem=problem, template_hash=thash,
-                             variant_json=variant.json(), status=outcome.status, median_ms=outcome.ms,
-                             tflops=tf, err=outcome.err, sdpa_err=outcome.sdpa_err, message=outcome.message,
-                             seconds=outcome.seconds, shape=dataclasses.asdict(shape))
+        self.store.finish_trial(claim, status=outcome.status, median_ms=outcome.ms, tflops=tf, err=outcome.err,
+                                sdpa_err=outcome.sdpa_err, message=outcome.message, seconds=outcome.seconds)
         return {"variant": variant.json(), "status": outcome.status,
                 "median_ms": outcome.ms if outcome.status == "ok" else None}
 

@@ -209,19 +209,7 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
         if k_cache.shape[0] != batch:
             raise ValueError(f"k_cache must have q's batch size {batch}, got shape {tuple(k_cache.shape)}")
         capacity = k_cache.shape[1]
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new keys and values to append), or neither")
-    new = 0
-    if k is not None:
-        nlay = "(batch, seqlen_new, nheads_k, headdim)"
-        for t, name in ((k, "k"), (v, "v")):
-            _tensor(t, name, 4, nlay)
-            _same(q, t, name, "q")
-            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
-                raise ValueError(f"{name} must be {nlay} = ({batch}, seqlen_new, {kv_heads}, {head_dim}), got {tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        new = k.shape[1]
+    new = _validate_new_tokens(q, k_cache, k, v)
     if cache_seqlens is None:
         if new:
             raise ValueError("cache_seqlens is required to append k/v (the lengths before the append)")
@@ -247,6 +235,24 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
                              "(num_blocks of k_cache)"))
     _check_values(checks)
     return seqlens, new
+
+
+def _validate_new_tokens(q, k_cache, k, v) -> int:
+    """The number of new tokens to append (0 without k/v); ValueError for malformed k/v."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values to append), or neither")
+    if k is None:
+        return 0
+    batch, kv_heads, head_dim = q.shape[0], k_cache.shape[2], q.shape[3]
+    nlay = "(batch, seqlen_new, nheads_k, headdim)"
+    for t, name in ((k, "k"), (v, "v")):
+        _tensor(t, name, 4, nlay)
+        _same(q, t, name, "q")
+        if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"{name} must be {nlay} = ({batch}, seqlen_new, {kv_heads}, {head_dim}), got {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    return k.shape[1]
 
 
 def _append(k_cache, v_cache, k, v, seqlens, block_table) -> None:

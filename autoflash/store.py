@@ -26,7 +26,7 @@ from typing import Iterable
 import sqlite_utils
 
 from autoflash.store_validate import (SCHEMA_VERSION, StoreError, _connect_readonly, _refuse_foreign,  # noqa: F401
-                                      _same_file, validate_export)
+                                      _same_file, declared_in_some_family, validate_export)
 
 BUSY_TIMEOUT_MS = 30_000
 
@@ -320,7 +320,7 @@ class Store:
         the faster row is kept. Rows whose variant is not in the declared search space are rejected
         (counted, not stored)."""
         gpus, rows = validate_export(data)
-        accepted = [row for row in rows if _declared_in_some_family(row)]
+        accepted = [row for row in rows if declared_in_some_family(row)]
         rejected = len(rows) - len(accepted)
 
         def write(conn) -> dict:
@@ -391,21 +391,3 @@ def _num(x):
 
 def rows_to_json(rows: Iterable[dict]) -> str:
     return json.dumps(list(rows), indent=1, sort_keys=True)
-
-
-def _declared_in_some_family(row: dict) -> bool:
-    """Whether a row's variant uses only declared knobs and values of one of its op's kernel
-    families (which family is the dispatcher's business: it reads the template hash)."""
-    from autoflash.space import families_for, load_space
-
-    try:
-        knobs = json.loads(row["variant"])
-    except (ValueError, TypeError):
-        return False
-    for family in families_for(row["op"]):
-        try:
-            load_space(family).check_declared(knobs)
-            return True
-        except ValueError:  # (InvalidVariant is a ValueError)
-            continue
-    return False

@@ -189,3 +189,21 @@ def _same_file(a: pathlib.Path, b: pathlib.Path) -> bool:
         pass
     rb = b.resolve()
     return a.resolve() in {rb, *(rb.with_name(rb.name + s) for s in ("-wal", "-shm", "-journal", ".optuna.journal"))}
+
+
+def declared_in_some_family(row: dict) -> bool:
+    """Whether a row's variant uses only declared knobs and values of one of its op's kernel
+    families (which family is the dispatcher's business: it reads the template hash)."""
+    from autoflash.space import families_for, load_space
+
+    try:
+        knobs = json.loads(row["variant"])
+    except (ValueError, TypeError):
+        return False
+    for family in families_for(row["op"]):
+        try:
+            load_space(family).check_declared(knobs)
+            return True
+        except ValueError:  # (InvalidVariant is a ValueError)
+            continue
+    return False

@@ -1,9 +1,9 @@
 """Results DB: schema, migrations, upserts, refusal of foreign/corrupt files, concurrent writers."""
 
 import multiprocessing
-import shutil
 import sqlite3
 import subprocess
+import sys
 
 import pytest
 
@@ -117,12 +117,11 @@ def test_two_concurrent_writers_lose_no_row(tmp_path):
 
 
 def test_opens_in_sqlite_utils_cli(tmp_path):
-    exe = shutil.which("sqlite-utils")
-    if exe is None:
-        pytest.fail("sqlite-utils (a dependency) should install its command")
+    # The running interpreter's own sqlite-utils (a dependency), whether or not its venv is on PATH.
     path = tmp_path / "a.db"
     add_trials(path, 3, "x")
-    out = subprocess.run([exe, "tables", str(path), "--counts"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "sqlite_utils", "tables", str(path), "--counts"],
+                         capture_output=True, text=True, check=True).stdout
     assert '"table": "trials", "count": 3' in out
 
 

@@ -149,18 +149,10 @@ class Tuner:
                 if not time_left():
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
-                claim = self.store.claim_trial(run_id=self.run_id, gpu_key=self.gpu_key, problem=problem,
-                                               template_hash=thash, variant_json=variant.json(),
-                                               shape=dataclasses.asdict(shape))
-                if claim is None:  # a concurrent tuner on this DB measured (or is measuring) it: share
+                row, outcome = self._measure(variant, c, shape, thash)
+                if row is None:  # a concurrent tuner on this DB measured (or is measuring) it: share
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
                     continue
-                if c.status == "crashed":  # the compile worker died: the compiler aborted on this variant
-                    c = Outcome("compile_error", message=f"compiler crashed: {c.message}", seconds=c.seconds)
-                outcome = c if c.status != "ok" else self.sandbox.evaluate(
-                    variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s,
-                    fn=self.opt.evaluate_fn)
-                row = self._record(claim, variant, outcome, shape)
                 mine[variant.json()] = done[f"{family}:{variant.json()}"] = row
                 measured += 1
                 self.total_measured += 1
@@ -221,6 +213,22 @@ class Tuner:
         fn = self.opt.compile_fn or sandbox.compile_variant
         args = [(v.json(), v.family, shape, self.opt.rep_ms, self.device_str) for _, v in batch]
         return self.compilers.map_async(fn, args, self.opt.trial_timeout_s)
+
+    def _measure(self, variant: Variant, compiled: Outcome, shape: Shape, thash: str):
+        """Claim the candidate in the DB, gate and time it in the sandbox (unless its compile
+        failed), record the outcome: (trial row, outcome), or (None, None) when another tuner on
+        this DB has claimed it."""
+        claim = self.store.claim_trial(run_id=self.run_id, gpu_key=self.gpu_key, problem=shape.problem,
+                                       template_hash=thash, variant_json=variant.json(),
+                                       shape=dataclasses.asdict(shape))
+        if claim is None:
+            return None, None
+        if compiled.status == "crashed":  # the compile worker died: the compiler aborted on this variant
+            compiled = Outcome("compile_error", message=f"compiler crashed: {compiled.message}",
+                               seconds=compiled.seconds)
+        outcome = compiled if compiled.status != "ok" else self.sandbox.evaluate(
+            variant, shape, rep_ms=self.opt.rep_ms, timeout_s=self.opt.trial_timeout_s, fn=self.opt.evaluate_fn)
+        return self._record(claim, variant, outcome, shape), outcome
 
     def _record(self, claim: int, variant, outcome, shape) -> dict:
         tf = tflops(shape, outcome.ms) if outcome.status == "ok" else None

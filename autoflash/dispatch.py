@@ -133,6 +133,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._told_untuned: set = set()
         self._tuned_on_miss: set = set()
+        self._recorded: set = set()  # AUTOFLASH_RECORD: shapes written already (the op is not part)
+        self._record_failed: set = set()
 
     def reset(self) -> None:
         """Forget loaded winners and compiled kernels (e.g. after tuning into the DB)."""
@@ -203,6 +205,8 @@ class Dispatcher:
                 device_index = q.device.index if q.is_cuda else None
                 device = gpu_fingerprint(device_index)
                 problem = self.problem_for(q, k, causal, op)
+                if os.environ.get("AUTOFLASH_RECORD"):
+                    self._record(q, k, problem)
                 if problem.key not in self.winners(device, device_index).rows:
                     self._tune_on_miss(problem, q, k)
                 variant = self.variant_for(problem, device, device_index)
@@ -210,6 +214,25 @@ class Dispatcher:
                 log.debug("autoflash: %s -> %s", problem.key, kernel)
                 self.kernels[key] = kernel
         return kernel
+
+    def _record(self, q, k, problem: Problem) -> None:
+        """AUTOFLASH_RECORD=FILE: append each new exact shape this process runs to FILE (a shape set
+        for `autoflash tune --shapes FILE`). A file that cannot be written costs one warning."""
+        from autoflash.shapes import record_shape
+
+        shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
+                      seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype)
+        if shape in self._recorded:
+            return
+        self._recorded.add(shape)
+        path = os.environ["AUTOFLASH_RECORD"]
+        try:
+            record_shape(path, shape)
+        except OSError as e:
+            if path not in self._record_failed:
+                self._record_failed.add(path)
+                warnings.warn(f"autoflash: cannot record shapes to {path} (AUTOFLASH_RECORD): {e}",
+                              RuntimeWarning, stacklevel=4)
 
     @staticmethod
     def _servable(kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k, v, o) -> Kernel:

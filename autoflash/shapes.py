@@ -1,8 +1,26 @@
-"""Shape sets: named TOML files in search_spaces/ (shapes_<name>.toml) or a user's file -> `Shape`s."""
+"""Shape sets: named TOML files in search_spaces/ (shapes_<name>.toml) or a user's file -> `Shape`s;
+and the other way: `record_shape` appends a shape a model ran to such a file (AUTOFLASH_RECORD)."""
 
 from __future__ import annotations
 
+import os
+
 from autoflash.problem import Shape
+
+SHAPE_FIELDS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "causal", "dtype")
+
+
+def record_shape(path: str | os.PathLike, shape: Shape) -> None:
+    """Append `shape` as a [[shape]] table of a shape-set TOML file (made with a header if new).
+    One write per shape in append mode, so concurrent recorders interleave whole tables."""
+    import json
+
+    header = "" if os.path.exists(path) else (
+        "# Problems a model ran, recorded by autoflash (AUTOFLASH_RECORD). Tune exactly these with\n"
+        "#   autoflash tune --ops fwd,bwd --shapes THIS_FILE\n")
+    table = "\n[[shape]]\n" + "".join(f"{f} = {json.dumps(getattr(shape, f))}\n" for f in SHAPE_FIELDS)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(header + table)
 
 
 def shape_set_names() -> list[str]:

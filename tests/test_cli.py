@@ -30,9 +30,9 @@ def test_space_list_is_json_lines():
 
 
 def test_render_prints_source():
-    r = invoke("render", "--op", "fwd", "--variant", '{"BLOCK_M": 64, "num_warps": 4, "LOADS": "block_ptr"}')
+    r = invoke("render", "--op", "fwd", "--variant", '{"BLOCK_M": 64, "num_warps": 4, "LOADS": "pointer"}')
     assert r.exit_code == 0
-    assert "@triton.jit" in r.output and "BLOCK_M = 64" in r.output and "make_block_ptr" in r.output
+    assert "@triton.jit" in r.output and "BLOCK_M = 64" in r.output and 'LOADS = "pointer"' in r.output
     compile(r.output, "<rendered>", "exec")
 
 

@@ -78,7 +78,7 @@ def render(op, dtype, head_dim, causal, variant_json):
     The variant is checked against the declared space and its constraints for the given problem
     on this machine; an invalid one is an error naming the violated rule.
 
-    Example: autoflash render --op fwd --variant '{"BLOCK_M": 64, "LOADS": "block_ptr"}'
+    Example: autoflash render --op fwd --variant '{"BLOCK_M": 64, "LOADS": "pointer"}'
     """
     from autoflash import codegen
     from autoflash.device import gpu_fingerprint

@@ -163,7 +163,7 @@ def _needs_autograd(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-# The API's one memo: an inference call's signature -> (launch(q, k, v, out, lse), lse scratch).
+# The API's one memo: an inference call's signature -> launch(q, k, v, out, lse).
 # A repeated call with the same signature launches its kernel at once (`_repeat_inference_call`).
 inference_plans: dict[tuple, tuple] = {}
 MAX_PLANS = 4096
@@ -173,9 +173,11 @@ def _signature(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: in
     """Everything validation and kernel choice depend on, for a (B, H, N, D) call (views of
     flash_attn_func's tensors included) with no mask and no dropout. Raises AttributeError for
     non-tensors."""
+    # Each pointer's 16-byte alignment on its own: Triton specializes every pointer argument on it,
+    # and the plan replays the compiled kernel of the first call with this signature.
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, k.device, v.device, causal, scale, enable_gqa, causal_offset,
-            not ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15))
+            not q.data_ptr() & 15, not k.data_ptr() & 15, not v.data_ptr() & 15)
 
 
 def _memoizable(q, scale) -> bool:
@@ -188,9 +190,11 @@ def _memoizable(q, scale) -> bool:
 
 def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0):
     """The host fast path: an inference call whose exact signature was planned before launches
-    its kernel directly (no validation, no dispatcher lookup, a reused lse scratch). None when the
-    call is new, differentiable or being traced by torch.compile: the full path handles those."""
+    its kernel directly (no validation, no dispatcher lookup). None when the call is new,
+    differentiable or being traced by torch.compile: the full path handles those."""
     if torch.compiler.is_compiling():  # traced calls go through the registered op
+        return None
+    if scale is not None and type(scale) not in (int, float):  # (True == 1: never a planned scale)
         return None
     try:
         plan = inference_plans.get(_signature(q, k, v, causal, scale, enable_gqa, causal_offset))
@@ -200,9 +204,10 @@ def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causa
         return None
     if not q.is_cuda and not interpreter_enabled():  # planned under the interpreter, which is now off
         return None
-    launch, lse = plan
     out = torch.empty_like(q)  # q's memory layout, as forward_with_lse
-    launch(q, k, v, out, lse)
+    # A fresh lse each call (discarded): a buffer kept by the plan could be freed while a kernel on
+    # another stream, or a captured CUDA graph, still writes to it.
+    plan(q, k, v, out, torch.empty(q.shape[:3], device=q.device, dtype=torch.float32))
     return out
 
 
@@ -227,8 +232,7 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
             kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
     if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
         inference_plans.clear()
-    # lse is discarded by inference calls: this call's buffer becomes the signature's scratch.
-    inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = (launch, lse)
+    inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = launch
     return out
 
 
@@ -259,7 +263,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         backends do not return contiguous outputs either). A query with gaps between its
         elements gives a contiguous output.
     """
-    if attn_mask is None and not dropout_p:
+    if attn_mask is None and type(dropout_p) in (int, float) and not dropout_p:
         out = _repeat_inference_call(query, key, value, is_causal, scale, enable_gqa)
         if out is not None:
             return out
@@ -291,7 +295,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), contiguous.
     """
-    if not dropout_p and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+    if type(dropout_p) in (int, float) and not dropout_p and all(
+            isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
         out = _repeat_inference_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal,
                                      softmax_scale, True, k.shape[1] - q.shape[1])

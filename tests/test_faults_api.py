@@ -149,3 +149,36 @@ def test_two_concurrent_tuners_on_one_db_share_the_work(tmp_path):
     assert len(keys) == len(set(keys)), "a candidate was measured twice"
     assert not [r for r in rows if r[3] == "running"]  # every claim was finished
     assert sqlite3.connect(db).execute("select count(*) from winners").fetchone()[0] == 4
+
+
+def _offset_view(t, elements):
+    """The same values at an address `elements` past a 16-byte boundary (same shape and strides)."""
+    base = torch.empty(t.numel() + elements, dtype=t.dtype)
+    view = base[elements:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.interpreter
+def test_the_repeat_call_memo_keys_each_tensors_alignment_on_its_own():
+    """A plan made for (q unaligned, k aligned) must not serve (q aligned, k unaligned): Triton
+    specializes each pointer on its 16-byte alignment."""
+    api.reset()
+    q, k, v = _qkv()
+    ref = autoflash.attention(q, k, v, is_causal=True)
+    first = autoflash.attention(_offset_view(q, 1), k, v, is_causal=True)
+    second = autoflash.attention(q, _offset_view(k, 1), v, is_causal=True)
+    assert len(api.inference_plans) == 3  # three alignments, three plans
+    for out in (first, second):
+        assert torch.allclose(out, ref, atol=1e-6)
+
+
+@pytest.mark.interpreter
+def test_arguments_are_checked_even_when_a_plan_for_the_call_exists():
+    api.reset()
+    q, k, v = _qkv()
+    autoflash.attention(q, k, v, scale=1)  # a plan for scale=1 and dropout 0
+    with pytest.raises(ValueError, match="dropout_p"):
+        autoflash.attention(q, k, v, dropout_p=None, scale=1)
+    with pytest.raises(ValueError, match="scale"):
+        autoflash.attention(q, k, v, scale=True)  # True == 1, yet not a scale

@@ -150,7 +150,10 @@ class Tuner:
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
                 row, outcome = self._measure(variant, c, shape, thash)
-                if row is None:  # a concurrent tuner on this DB measured (or is measuring) it: share
+                if row is None:  # a concurrent tuner on this DB measured (or is measuring) it: share,
+                    # and remember it as taken so that the sampler is not asked for it again
+                    mine[variant.json()] = {"variant": variant.json(), "status": "claimed", "median_ms": None}
+                    measured += 1
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
                     continue
                 mine[variant.json()] = done[f"{family}:{variant.json()}"] = row

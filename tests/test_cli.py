@@ -7,6 +7,7 @@ import sys
 from click.testing import CliRunner
 
 from autoflash.cli import cli
+from helpers import db_with_winners as _db_with_winners
 
 
 def invoke(*args):
@@ -104,27 +105,6 @@ def test_search_quality_on_a_recorded_sweep(tmp_path, monkeypatch):
     row = next(line for line in r.output.splitlines() if "d256" in line)
     cells = [c.strip() for c in row.split("│")[1:-1]]
     assert int(cells[1]) == len(load_space("fwd").valid_variants(prob, dev))  # variants in the sweep
-
-
-def _db_with_winners(path, n=2, ms=1.0, gpu_name=None):
-    import dataclasses
-
-    from autoflash.device import gpu_fingerprint
-
-    from autoflash.problem import Problem
-    from autoflash.space import load_space
-    from autoflash.store import Store
-
-    dev = gpu_fingerprint() if gpu_name is None else dataclasses.replace(gpu_fingerprint(), name=gpu_name)
-    store = Store(path)
-    store.add_gpu(dev)
-    for i in range(n):
-        prob = Problem("fwd", "float16", 64, False, 1, 64 << i, 64 << i)
-        store.set_winner(gpu_key=dev.key, problem=prob, template_hash="t",
-                         variant_json=load_space("fwd").valid_variants(prob, dev)[i].json(),
-                         median_ms=ms, spread=0.0, tflops=1.0 / ms, trials=3)
-    store.close()
-    return path
 
 
 def test_db_export_import_merge_are_idempotent(tmp_path):

@@ -78,7 +78,7 @@ def test_render_fills_knobs_not_given_from_the_nearest_valid_variant():
 
 
 def test_db_export_to_a_missing_folder(tmp_path):
-    from tests.test_cli import _db_with_winners
+    from helpers import db_with_winners as _db_with_winners
 
     src = _db_with_winners(tmp_path / "src.db", n=1)
     for fmt in ("json", "csv", "sqlite"):
@@ -89,7 +89,7 @@ def test_db_export_to_a_missing_folder(tmp_path):
 
 
 def test_a_locked_db_is_announced_instead_of_silence(tmp_path):
-    from tests.test_cli import _db_with_winners
+    from helpers import db_with_winners as _db_with_winners
 
     src = _db_with_winners(tmp_path / "src.db", n=1)
     out = tmp_path / "w.json"
@@ -184,7 +184,7 @@ def test_random_render_arguments_never_trace_back(head_dim, op, variant):
        out=st.sampled_from(["-", "ok.json", "missing/x.json", ".", "", "ok.db"]),
        table=st.sampled_from(["winners", "trials", "gpus"]), db=st.sampled_from(["src.db", "missing.db", "."]))
 def test_random_db_export_arguments_never_trace_back(tmp_path, fmt, op, out, table, db):
-    from tests.test_cli import _db_with_winners
+    from helpers import db_with_winners as _db_with_winners
 
     if not (tmp_path / "src.db").exists():
         _db_with_winners(tmp_path / "src.db", n=1)

@@ -262,3 +262,21 @@ def plot(rows: list[BenchRow], methods: list[str], path: str, title: str) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+IMPL_NAMES = {"autoflash": "autoflash", "default": "autoflash-default", "baseline": "autoflash-baseline",
+              "sdpa_cudnn": "sdpa-cudnn", "sdpa_flash": "sdpa-flash"}
+
+
+def json_rows(rows: list[BenchRow], methods: list[str], metric: str, device) -> list[dict]:
+    """One row per (shape, implementation): the shape's fields, `impl`, `metric` (TFLOP/s, null
+    where the implementation refused the shape), and the device and versions it was measured on."""
+    out = []
+    for r in rows:
+        shape = dataclasses.asdict(r.shape)
+        shape.pop("op", None)
+        for m in methods:
+            tf = r.tflops(m)
+            out.append({**shape, "impl": IMPL_NAMES.get(m, m), metric: float(f"{tf:.4g}") if math.isfinite(tf) else None,
+                        "gpu": device.name, "torch": device.torch_version, "triton": device.triton_version})
+    return out

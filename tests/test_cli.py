@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from click.testing import CliRunner
 
 from autoflash.cli import cli
@@ -296,3 +298,15 @@ def test_store_queries_answer_what_the_cli_shows(tmp_path):
     assert q.is_locked(store.path, write=True)
     holder.rollback()
     holder.close()
+
+
+@pytest.mark.interpreter
+def test_bench_json_has_one_row_per_shape_and_implementation(tmp_path):
+    out = tmp_path / "bench.json"
+    r = invoke("bench", "--interpret", "--rounds", "1", "--json", str(out))
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())
+    shapes = {(x["batch"], x["heads_q"], x["seqlen_q"], x["head_dim"], x["causal"]) for x in rows}
+    assert len(rows) == 2 * len(shapes) and {x["impl"] for x in rows} == {"autoflash", "autoflash-default"}
+    assert all(x["fwd_tflops"] is None or x["fwd_tflops"] > 0 for x in rows)
+    assert {"dtype", "heads_kv", "seqlen_k", "gpu", "triton"} <= set(rows[0])

@@ -11,7 +11,8 @@ from autoflash.cli.common import console, load_shapes, output_option, require_gp
 def _overhead(bench_mod, device):
     r = bench_mod.dispatch_overhead()
     console.print(f"bare kernel launch {r['bare_launch_us']:.1f} µs/call, autoflash.attention "
-                  f"{r['autoflash_attention_us']:.1f} µs/call: dispatch overhead {r['overhead_us']:.1f} µs "
+                  f"{r['autoflash_attention_us']:.1f} µs/call (dispatch overhead {r['overhead_us']:+.1f} µs), "
+                  f"torch SDPA {r['torch_sdpa_us']:.1f} µs/call "
                   f"({device.name}, torch {device.torch_version}, triton {device.triton_version})")
 
 
@@ -27,8 +28,16 @@ def _llama(bench_mod, device, rounds):
     console.print(f"logits vs sdpa: relative difference {r['logits_rel_diff']:.2e}")
 
 
-def _save(bench_mod, rows, methods, title, md_path, plot_path, base=None):
+def _save(bench_mod, rows, methods, title, md_path, plot_path, base=None, json_path=None, metric="fwd_tflops"):
     extra = {} if base is None else {"base": base}
+    if json_path:
+        import json
+
+        from autoflash.device import gpu_fingerprint
+
+        with open(json_path, "w") as f:
+            json.dump(bench_mod.json_rows(rows, methods, metric, gpu_fingerprint()), f, indent=1)
+        console.print(f"rows saved to {json_path}")
     if md_path:
         with open(md_path, "w") as f:
             f.write(bench_mod.markdown_table(rows, methods, **extra) + "\n")
@@ -37,7 +46,7 @@ def _save(bench_mod, rows, methods, title, md_path, plot_path, base=None):
         console.print(f"plot saved to {plot_path}")
 
 
-def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path):
+def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, json_path):
     import dataclasses
 
     with console.status("benchmarking forward+backward") as status:
@@ -55,10 +64,10 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path):
             gib = {m: peaks.get((label, m), float("nan")) / 2**30 for m in methods}
             mt.add_row(label, *(f"{gib[m]:.2f}" for m in methods), f"{gib['autoflash'] / gib['sdpa_flash']:.3f}")
         console.print(mt)
-    _save(bench_mod, rows, methods, title, md_path, plot_path)
+    _save(bench_mod, rows, methods, title, md_path, plot_path, json_path=json_path, metric="fwdbwd_tflops")
 
 
-def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path):
+def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path, json_path):
     from autoflash.dispatch import get_dispatcher
     from autoflash.space import default_variant
 
@@ -81,7 +90,8 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
     if interpret:
         title += " (interpreter wall clock: not GPU performance)"
     console.print(bench_mod.rich_table(rows, methods, title, base=base))
-    _save(bench_mod, rows, methods, title, md_path, plot_path, base=base)
+    _save(bench_mod, rows, methods, title, md_path, plot_path, base=base, json_path=json_path,
+          metric=f"{op}_tflops")
 
 
 @click.command()
@@ -91,6 +101,8 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
               help="Interleaved timing rounds per shape.")
 @output_option("--plot", "plot_path", help="Save a bar chart (PNG) here.")
 @output_option("--markdown", "md_path", help="Write the table as Markdown here.")
+@output_option("--json", "json_path", help="Write one JSON row per (shape, implementation) here: shape fields, "
+               "impl, fwd_tflops (bwd_tflops with --op bwd, fwdbwd_tflops with --fwdbwd).")
 @click.option("--fwdbwd", is_flag=True, help="Time forward+backward through autograd instead of the forward.")
 @click.option("--memory", is_flag=True, help="With --fwdbwd: also report each method's peak memory above its inputs.")
 @click.option("--overhead", is_flag=True, help="Per-call host overhead of autoflash.attention vs a bare kernel launch.")
@@ -104,12 +116,13 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
                    "value that template does not know renders as that template treats it.")
 @click.option("--interpret", is_flag=True,
               help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
-def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, op, baseline_template, interpret):
+def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhead, llama, op, baseline_template,
+          interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of do_bench medians.
 
-    Example: autoflash bench --shapes standard --plot bench.png
+    Example: autoflash bench --shapes standard --plot bench.png --json bench.json
     Example: git show HEAD~1:templates/attn_fwd.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja
     """
     if interpret:
@@ -129,5 +142,5 @@ def bench(shapes, rounds, plot_path, md_path, fwdbwd, memory, overhead, llama, o
         return _llama(bench_mod, device, rounds)
     shape_list = load_shapes(shapes, op)
     if fwdbwd:
-        return _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path)
-    _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path)
+        return _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, json_path)
+    _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path, json_path)

@@ -443,18 +443,23 @@ time.sleep(600)
 
 
 @pytest.mark.interpreter
+def _take_lock_and_die(code: str, journal: str) -> None:
+    """A process that takes the journal's lock (prints 'locked') and is then killed with SIGKILL."""
+    holder = subprocess.Popen([sys.executable, "-c", code, journal], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+
+
 def test_a_journal_lock_left_by_kill_9_does_not_stall_the_next_tune(tmp_path):
     from autoflash.tuning.journal import JOURNAL_LOCK_GRACE_S
     from autoflash.tuning.tuner import TuneOptions, optuna_storage_path, tune
 
     shape, store, device, thash = tiny_tune_setup(tmp_path)
     journal = optuna_storage_path(store.path)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, journal], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-    finally:
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait()
+    _take_lock_and_die(HOLD_LOCK, journal)
     lock = journal + ".lock"
     assert os.path.lexists(lock)  # what the killed process left behind
     gone_after = []
@@ -482,12 +487,7 @@ def test_optunas_own_symlink_lock_left_by_a_killed_run_is_cleared_after_its_grac
     code = ("import sys, time, optuna\n"
             "optuna.storages.journal.JournalFileSymlinkLock(sys.argv[1]).acquire()\n"
             "print('locked', flush=True)\ntime.sleep(600)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code, journal], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-    finally:
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait()
+    _take_lock_and_die(code, journal)
     lock = journal + ".lock"
     assert os.path.islink(lock)
     assert not clear_stale_journal_lock(lock)  # fresh: it may be a live writer's (no pid to check)

@@ -1,17 +1,13 @@
 """The tuner: one Optuna study per problem, candidates measured in sandboxed workers, winners stored.
 
-Per problem (a shape set entry's bucket):
-  1. seed the study with the built-in default and known-good variants (winners of other problems
-     of the same dtype and head dim on this GPU);
-  2. ask Optuna (TPE, multivariate and grouped: the space is categorical and conditional) for a
-     batch; constraint violations are told PRUNED before anything compiles and are not counted;
-     variants already measured (this run or an earlier one) are answered from the DB, not re-run;
-  3. compile the batch in parallel worker processes (CPU cores) while one worker owns the GPU
-     and gates + times candidates one by one; every failure becomes a recorded trial;
-  4. re-measure the top few interleaved with the default and SDPA backends; the winner is the
-     lowest median, stored with its spread.
-Everything measured is in SQLite as it happens, and Optuna's journal file sits beside the DB,
-so a killed run resumes where it stopped.
+Per problem (a shape set entry's bucket), for each kernel family of its op (trials split):
+  1. seed the study with the stored winner, the family's default and known-good variants;
+  2. ask Optuna (TPE, multivariate, grouped) for a batch; constraint violations are told PRUNED
+     before anything compiles; variants already in the DB are answered from it, not re-run;
+  3. compile the batch in worker processes while one worker owns the GPU and gates + times each
+     candidate (claimed in the DB first, so concurrent tuners share work); failures are recorded;
+then re-measure the best of all families interleaved with the default and SDPA; the lowest median
+wins. Everything is in SQLite as it happens (and Optuna's journal beside it): a killed run resumes.
 """
 
 from __future__ import annotations

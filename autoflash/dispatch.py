@@ -261,15 +261,13 @@ def tune_in_child_process(shape: Shape) -> None:
     import sys
     import tempfile
 
+    from autoflash.shapes import record_shape
+
     trials = int(os.environ.get("AUTOFLASH_TUNE_ON_MISS_TRIALS", "16"))
     budget_min = float(os.environ.get("AUTOFLASH_TUNE_ON_MISS_BUDGET_MIN", "2"))
     with tempfile.TemporaryDirectory(prefix="autoflash-miss-") as tmp:
         shapes = os.path.join(tmp, "shape.toml")
-        with open(shapes, "w", encoding="utf-8") as f:
-            f.write("[[shape]]\n" + "".join(f"{name} = {json.dumps(value)}\n" for name, value in (
-                ("batch", shape.batch), ("heads_q", shape.heads_q), ("heads_kv", shape.heads_kv),
-                ("seqlen_q", shape.seqlen_q), ("seqlen_k", shape.seqlen_k), ("head_dim", shape.head_dim),
-                ("causal", shape.causal), ("dtype", shape.dtype))))
+        record_shape(shapes, shape)  # the same shape-set format AUTOFLASH_RECORD writes
         command = [sys.executable, "-m", "autoflash", "tune", "--ops", shape.op, "--shapes", shapes,
                    "--trials", str(trials), "--budget", str(budget_min)]
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

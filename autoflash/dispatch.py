@@ -22,7 +22,7 @@ import torch
 from autoflash import codegen
 from autoflash.codegen import Kernel
 from autoflash.device import GPUFingerprint, gpu_fingerprint
-from autoflash.problem import Problem, Shape, dtype_name, seqlen_bucket
+from autoflash.problem import Problem, Shape, dtype_name, seqlen_bucket, work_bucket
 from autoflash.space import InvalidVariant, Variant, default_variant, load_space
 
 MissHook = Callable[[Shape], None]
@@ -100,7 +100,7 @@ class WinnerTable:
             self.rows[problem.key], self.origins[problem.key], self._ms[problem.key] = variant, str(path), ms
 
     def lookup(self, problem: Problem) -> tuple[Variant | None, str]:
-        """(variant, how): exact bucket, else the nearest seqlen bucket of the same kind, else None."""
+        """(variant, how): exact bucket, else the nearest bucket of the same kind, else None."""
         variant, how, _ = self.explain(problem)
         return variant, how
 
@@ -115,12 +115,32 @@ class WinnerTable:
             if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group) != (
                     problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group):
                 continue
-            distance = abs(math.log2(p.seqlen_q / problem.seqlen_q)) + abs(math.log2(p.seqlen_k / problem.seqlen_k))
+            work = work_distance(p.work, problem.work)
+            if p.work is not None and work > NEAREST_WORK_MAX:
+                continue  # another occupancy regime: the shape's default beats a big-batch winner
+            distance = (abs(math.log2(p.seqlen_q / problem.seqlen_q)) + abs(math.log2(p.seqlen_k / problem.seqlen_k))
+                        + work)
             if distance < best_distance or (distance == best_distance and key < best[0]):
                 best, best_distance = (key, variant), distance
         if best is None:
             return None, "default", None
         return best[1], f"nearest ({best[0]})", self.origins[best[0]]
+
+
+# A winner serves a problem of another occupancy bucket at most this many buckets (factors of 2 in
+# parallel work) away; further, the variant the space's [[defaults]] pick for the shape serves.
+NEAREST_WORK_MAX = 1
+
+
+def work_distance(row_work: int | None, work: int | None) -> float:
+    """Occupancy buckets between a stored winner's problem and a call's. A row stored before the key
+    had the bucket (None) counts as 1.5 buckets away: still served by the nearest rule whatever the
+    call's occupancy, but behind a winner tuned for this occupancy or the next one."""
+    if work is None:
+        return 0.0
+    if row_work is None:
+        return 1.5
+    return float(abs(row_work - work))
 
 
 class Dispatcher:
@@ -149,10 +169,12 @@ class Dispatcher:
         return table
 
     @staticmethod
-    def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd") -> Problem:
+    def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str, sm_count: int) -> Problem:
+        grid_len = k.shape[2] if op == "bwd" else q.shape[2]
         return Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                        gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(q.shape[2]),
-                       seqlen_k=seqlen_bucket(k.shape[2]))
+                       seqlen_k=seqlen_bucket(k.shape[2]),
+                       work=work_bucket(q.shape[0], q.shape[1], grid_len, sm_count))
 
     def _tune_on_miss(self, problem: Problem, q, k) -> None:
         """AUTOFLASH_TUNE_ON_MISS=1: tune a problem with no exact winner the first time it is seen
@@ -204,7 +226,7 @@ class Dispatcher:
                     self.kernels.clear()
                 device_index = q.device.index if q.is_cuda else None
                 device = gpu_fingerprint(device_index)
-                problem = self.problem_for(q, k, causal, op)
+                problem = self.problem_for(q, k, causal, op, device.sm_count)
                 if os.environ.get("AUTOFLASH_RECORD"):
                     self._record(q, k, problem)
                 if problem.key not in self.winners(device, device_index).rows:

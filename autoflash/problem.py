@@ -20,8 +20,11 @@ SEQLEN_BUCKET_MIN = 16
 SEQLEN_BUCKET_MAX = 1 << 20
 HEAD_DIM_MAX = 1 << 16  # far above any kernel's limit (the API falls back above 256): larger is a corrupt row
 GQA_GROUP_MAX = 1 << 16
+# The occupancy bucket: log2 of the tiles of parallel work per SM (see `work_bucket`).
+WORK_TILE_ROWS = 128
+WORK_MIN, WORK_MAX = -6, 10
 _KEY = re.compile(r"(?P<op>[a-z]+)/(?P<dtype>[a-z0-9]+)/d(?P<d>-?\d+)/(?P<c>causal|full)/g(?P<g>-?\d+)"
-                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)")
+                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?")
 
 
 def _check_int(name: str, value, low: int, high: int, power_of_two: bool = False) -> None:
@@ -39,17 +42,30 @@ def seqlen_bucket(n: int) -> int:
     return min(max(SEQLEN_BUCKET_MIN, 1 << (n - 1).bit_length()), SEQLEN_BUCKET_MAX)
 
 
+def work_bucket(batch: int, heads_q: int, seqlen: int, sm_count: int) -> int:
+    """How much parallel work a call gives the GPU: log2 of (batch x query heads x 128-row tiles of
+    `seqlen`) per SM, rounded and clamped. The best variant changes with it (a big batch wants big
+    tiles; a small one wants more, smaller programs or a split), so it is part of the key: a winner
+    tuned on a big batch is not served to a small one. `seqlen` is the length the kernel's grid
+    runs over (queries for the forward, keys for the backward's KV-outer kernel)."""
+    tiles = max(int(batch), 1) * max(int(heads_q), 1) * max(-(-int(seqlen) // WORK_TILE_ROWS), 1)
+    return min(WORK_MAX, max(WORK_MIN, round(math.log2(tiles / max(int(sm_count), 1)))))
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """One tuning/dispatch key. Shapes inside it are buckets, not exact sizes."""
 
-    op: str  # "fwd" (forward); "bwd" when the backward lands
+    op: str  # "fwd" (forward) or "bwd" (backward)
     dtype: str  # one of DTYPES
     head_dim: int
     causal: bool
     gqa_group: int  # query heads per KV head (1 = MHA)
     seqlen_q: int  # bucket
     seqlen_k: int  # bucket
+    # work_bucket() of the call on its GPU; None: any occupancy (keys and DB rows made before the
+    # occupancy bucket existed are served by the nearest-bucket rule, never as an exact match)
+    work: int | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -62,13 +78,16 @@ class Problem:
         _check_int("gqa_group", self.gqa_group, 1, GQA_GROUP_MAX)
         _check_int("seqlen_q", self.seqlen_q, 1, SEQLEN_BUCKET_MAX, power_of_two=True)
         _check_int("seqlen_k", self.seqlen_k, 1, SEQLEN_BUCKET_MAX, power_of_two=True)
+        if self.work is not None:
+            _check_int("work", self.work, WORK_MIN, WORK_MAX)
 
     @property
     def key(self) -> str:
         """A stable, human-readable key, used as the DB's problem column and study name."""
         c = "causal" if self.causal else "full"
+        work = "" if self.work is None else f"/w{self.work}"
         return (f"{self.op}/{self.dtype}/d{self.head_dim}/{c}/g{self.gqa_group}"
-                f"/q{self.seqlen_q}/k{self.seqlen_k}")
+                f"/q{self.seqlen_q}/k{self.seqlen_k}{work}")
 
     @classmethod
     def from_key(cls, key: str) -> "Problem":
@@ -79,10 +98,11 @@ class Problem:
         m = _KEY.fullmatch(key)
         if m is None:
             raise ValueError(f"malformed problem key {key!r}: expected "
-                             "'op/dtype/d<head_dim>/causal|full/g<gqa>/q<bucket>/k<bucket>'")
+                             "'op/dtype/d<head_dim>/causal|full/g<gqa>/q<bucket>/k<bucket>[/w<work>]'")
         try:
             problem = cls(op=m["op"], dtype=m["dtype"], head_dim=int(m["d"]), causal=(m["c"] == "causal"),
-                          gqa_group=int(m["g"]), seqlen_q=int(m["q"]), seqlen_k=int(m["k"]))
+                          gqa_group=int(m["g"]), seqlen_q=int(m["q"]), seqlen_k=int(m["k"]),
+                          work=None if m["w"] is None else int(m["w"]))
         except ValueError as e:
             raise ValueError(f"invalid problem key {key!r}: {e}") from None
         if problem.key != key:  # e.g. leading zeros: one problem, one key
@@ -109,9 +129,17 @@ class Shape:
 
     @property
     def problem(self) -> Problem:
+        """The problem of this shape on the current device (its SM count decides the work bucket)."""
+        from autoflash.device import gpu_fingerprint
+
+        return self.problem_on(gpu_fingerprint().sm_count)
+
+    def problem_on(self, sm_count: int) -> Problem:
+        grid_len = self.seqlen_k if self.op == "bwd" else self.seqlen_q
         return Problem(op=self.op, dtype=self.dtype, head_dim=self.head_dim, causal=self.causal,
                        gqa_group=self.heads_q // self.heads_kv,
-                       seqlen_q=seqlen_bucket(self.seqlen_q), seqlen_k=seqlen_bucket(self.seqlen_k))
+                       seqlen_q=seqlen_bucket(self.seqlen_q), seqlen_k=seqlen_bucket(self.seqlen_k),
+                       work=work_bucket(self.batch, self.heads_q, grid_len, sm_count))
 
     def flops(self) -> float:
         """Forward FLOPs 4*B*H*Nq*Nk*D (two matmuls), halved when causal; the backward counts

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from autoflash import resources
 from autoflash.device import GPUFingerprint
-from autoflash.problem import Problem
+from autoflash.problem import WORK_MAX, Problem
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -235,7 +235,10 @@ def problem_names(problem: Problem) -> dict:
         block_d *= 2
     return dict(head_dim=problem.head_dim, BLOCK_D=block_d, elem_bytes=ELEM_BYTES[problem.dtype],
                 causal=problem.causal, gqa_group=problem.gqa_group,
-                seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k)
+                seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k,
+                # occupancy bucket (problem.work_bucket); a key without one: plenty of work, as the
+                # grid of 16k tokens the first winners were tuned on
+                work=WORK_MAX if problem.work is None else problem.work)
 
 
 def device_names(problem: Problem, device: GPUFingerprint) -> dict:

@@ -25,8 +25,9 @@ from typing import Iterable
 
 import sqlite_utils
 
-from autoflash.store_validate import (SCHEMA_VERSION, StoreError, _connect_readonly, _refuse_foreign,  # noqa: F401
-                                      _same_file, declared_in_some_family, validate_export)
+from autoflash.store_validate import (READABLE_VERSIONS, SCHEMA_VERSION, StoreError,  # noqa: F401
+                                      _connect_readonly, _refuse_foreign, _same_file, declared_in_some_family,
+                                      validate_export)
 
 BUSY_TIMEOUT_MS = 30_000
 
@@ -73,7 +74,17 @@ def _m002_run_process(db: sqlite_utils.Database) -> None:
             db["runs"].add_column(column, kind)
 
 
-MIGRATIONS = [("001_initial", _m001_initial), ("002_run_process", _m002_run_process)]
+def _m003_occupancy_key(db: sqlite_utils.Database) -> None:
+    """The problem key's occupancy bucket (problem.work_bucket) as a column of trials and winners.
+    Rows written before keep NULL and their keys without /w<n>: the dispatcher serves them by the
+    nearest-bucket rule, one occupancy bucket away from every call."""
+    for table in ("trials", "winners"):
+        if "work" not in db[table].columns_dict:
+            db[table].add_column("work", int)
+
+
+MIGRATIONS = [("001_initial", _m001_initial), ("002_run_process", _m002_run_process),
+              ("003_occupancy_key", _m003_occupancy_key)]
 
 
 def _apply_migrations(db: sqlite_utils.Database) -> None:
@@ -345,8 +356,9 @@ class Store:
         other = Store(path, readonly=True)
         try:
             version = schema_version(other.db)
-            if version != SCHEMA_VERSION:
-                raise StoreError(f"{path} has schema version {version}; this autoflash merges version {SCHEMA_VERSION}")
+            if version not in READABLE_VERSIONS:
+                raise StoreError(f"{path} has schema version {version}; this autoflash merges versions "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))}")
             try:
                 data = other.export_winners()
             except StoreError as e:
@@ -378,7 +390,8 @@ def _ms(x) -> float:
 
 def _problem_cols(problem) -> dict:
     return {"op": problem.op, "dtype": problem.dtype, "head_dim": problem.head_dim, "causal": int(problem.causal),
-            "gqa_group": problem.gqa_group, "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k}
+            "gqa_group": problem.gqa_group, "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k,
+            "work": problem.work}
 
 
 def _num(x):

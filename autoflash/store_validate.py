@@ -17,7 +17,7 @@ import sqlite3
 import urllib.parse
 
 WINNER_COLUMNS = ("gpu_key", "problem", "template_hash", "op", "dtype", "head_dim", "causal", "gqa_group",
-                  "seqlen_q", "seqlen_k", "variant", "median_ms", "spread", "tflops", "default_ms",
+                  "seqlen_q", "seqlen_k", "work", "variant", "median_ms", "spread", "tflops", "default_ms",
                   "sdpa_cudnn_ms", "sdpa_flash_ms", "trials", "run_id", "shape", "updated_at")
 WINNER_REQUIRED = ("gpu_key", "problem", "template_hash", "variant", "median_ms")
 GPU_COLUMNS = ("gpu_key", "name", "cc_major", "cc_minor", "sm_count", "smem_per_block", "torch_version",
@@ -29,7 +29,10 @@ _OPTIONAL_COUNT = ("trials", "run_id")  # None or an integer >= 0
 _OPTIONAL_TEXT = ("shape", "updated_at")
 
 
-SCHEMA_VERSION = 1  # of the results DB (autoflash.store re-exports it)
+# Of the results DB (autoflash.store re-exports it). 2: problem keys may carry the occupancy
+# bucket (/w<n>) and rows have a `work` column; version-1 files and exports are read as they are.
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class StoreError(RuntimeError):
@@ -67,7 +70,8 @@ def validate_winner(row, index: int) -> dict:
     except ValueError as e:
         raise _error(what, f"field 'problem': {e}") from None
     cols = {"op": problem.op, "dtype": problem.dtype, "head_dim": problem.head_dim, "causal": int(problem.causal),
-            "gqa_group": problem.gqa_group, "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k}
+            "gqa_group": problem.gqa_group, "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k,
+            "work": problem.work}
     for col, value in cols.items():
         if row.get(col) is not None and row[col] != value:
             raise _error(what, f"field {col!r} is {row[col]!r} but the problem key says {value!r}")
@@ -120,9 +124,9 @@ def validate_export(data) -> tuple[list[dict], list[dict]]:
     """(gpus, winners) of an export, every row checked; StoreError at the first bad one."""
     if not isinstance(data, dict) or data.get("format") != "autoflash-winners":
         raise _error("import", "not an autoflash winners export (missing format: autoflash-winners)")
-    if data.get("schema_version") != SCHEMA_VERSION:
+    if data.get("schema_version") not in READABLE_VERSIONS:
         raise _error("import", f"the export has schema version {data.get('schema_version')!r}; this autoflash "
-                               f"reads version {SCHEMA_VERSION}")
+                               f"reads versions {', '.join(map(str, READABLE_VERSIONS))}")
     unknown = sorted(set(data) - {"format", "schema_version", "gpus", "winners"})
     if unknown:
         raise _error("import", f"unknown top-level field(s) {', '.join(map(repr, unknown))}")

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from autoflash.cli import cli
+from autoflash.store import SCHEMA_VERSION
 from helpers import db_with_winners as _db_with_winners
 
 
@@ -114,7 +115,7 @@ def test_db_export_import_merge_are_idempotent(tmp_path):
     out = tmp_path / "w.json"
     assert invoke("db", "export", "--db", str(src), "-o", str(out)).exit_code == 0
     data = json.loads(out.read_text())
-    assert data["schema_version"] == 1 and len(data["winners"]) == 3
+    assert data["schema_version"] == SCHEMA_VERSION and len(data["winners"]) == 3
     dst = tmp_path / "dst.db"
     r = invoke("db", "import", str(out), "--db", str(dst))
     assert "3 added" in " ".join(r.output.split())

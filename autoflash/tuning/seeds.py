@@ -3,6 +3,7 @@ DB's or shipped in cache/), heavy-first twins for causal problems, other problem
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from autoflash import codegen, resources
@@ -25,7 +26,7 @@ def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, th
     # search must never end below what users already get.
     seeds = current_winners(problem, device, thash, rows) + [default]
     # (rows of the op's other current families are another space's knobs: not seeds here)
-    earlier = [w for w in rows if w["problem"] == problem.key and w["template_hash"] != thash
+    earlier = [w for w in rows if w["problem"] in same_problem_keys(problem) and w["template_hash"] != thash
                and codegen.family_for_hash(problem.op, w["template_hash"]) is None]
     others = [w for w in rows if w["problem"] != problem.key and w["template_hash"] == thash
               and w["dtype"] == problem.dtype]
@@ -38,8 +39,14 @@ def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, th
 def current_winners(problem: Problem, device: GPUFingerprint, thash: str, rows: list[dict]) -> list[Variant]:
     """The valid winners stored for this problem under this template hash (rows: this GPU's)."""
     space = load_space(codegen.family_for_hash(problem.op, thash) or problem.op)
-    mine = [w for w in rows if w["problem"] == problem.key and w["template_hash"] == thash]
+    mine = [w for w in rows if w["problem"] in same_problem_keys(problem) and w["template_hash"] == thash]
     return _valid_variants(mine, None, problem, device, thash, space)
+
+
+def same_problem_keys(problem: Problem) -> tuple[str, ...]:
+    """The problem's key, and its key without the occupancy bucket (rows stored before the key had
+    one, which the dispatcher serves to this problem unless a closer winner exists)."""
+    return (problem.key, dataclasses.replace(problem, work=None).key)
 
 
 def read_shipped_winners(gpu_key: str) -> list[dict]:

@@ -155,7 +155,8 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
         out = torch.empty_like(q)  # q's memory layout (see flash_attn_func)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    get_dispatcher().kernel_for(q, k, v, out, causal).forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
+    get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True).forward(q, k, v, out, lse, sm_scale, causal,
+                                                                              causal_offset)
     return out, lse
 
 
@@ -163,7 +164,7 @@ def _needs_autograd(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-# The API's one memo: an inference call's signature -> launch(q, k, v, out, lse).
+# The API's one memo: an inference call's signature -> plan(q, k, v) -> out.
 # A repeated call with the same signature launches its kernel at once (`_repeat_inference_call`).
 inference_plans: dict[tuple, tuple] = {}
 MAX_PLANS = 4096
@@ -204,36 +205,62 @@ def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causa
         return None
     if not q.is_cuda and not interpreter_enabled():  # planned under the interpreter, which is now off
         return None
-    out = torch.empty_like(q)  # q's memory layout, as forward_with_lse
-    # A fresh lse each call (discarded): a buffer kept by the plan could be freed while a kernel on
-    # another stream, or a captured CUDA graph, still writes to it.
-    plan(q, k, v, out, torch.empty(q.shape[:3], device=q.device, dtype=torch.float32))
-    return out
+    return plan(q, k, v)
 
 
 def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
     """The planned kernel call on (B, H, N, D) views: output in q's memory layout, differentiable
     when needed. An inference call stores its plan for `_repeat_inference_call`."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if torch.compiler.is_compiling() or _needs_autograd(q, k, v):
+    own_only = causal and causal_offset != 0  # a vendor kernel's causal mask is top-left only
+    if torch.compiler.is_compiling():
         from autoflash import ops  # the registered custom op: autograd and torch.compile see one node
 
         return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
+    if _needs_autograd(q, k, v):
+        # Training: where a vendor pair (torch SDPA's forward and backward) won the backward
+        # problem, it runs through torch autograd; else autoflash's forward and backward.
+        vendor = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only)
+        if vendor.vendor:
+            return vendor.attention(q, k, v, sm_scale, causal, causal_offset)
+        from autoflash import ops
+
+        return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    kernel = get_dispatcher().kernel_for(q, k, v, out, causal)
-    if not _memoizable(q, scale):
+    kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=own_only)
+    if kernel.vendor:
+        result = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+    elif not _memoizable(q, scale):
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         kernel.forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
         return out
-    # This call launches through the module and leaves a direct launcher for the next ones.
+    if _memoizable(q, scale):
+        plan = _plan(kernel, q, k, v, out, sm_scale, causal, causal_offset)
+        if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
+            inference_plans.clear()
+        inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = plan
+    return result if kernel.vendor else out
+
+
+def _plan(kernel, q, k, v, out, sm_scale: float, causal: bool, causal_offset: int):
+    """The plan of this call's signature: `plan(q, k, v) -> out` for the next calls. An own kernel
+    launches this call (into `out`) through its module once, leaving a direct launcher of the
+    compiled kernel; a vendor kernel (already called) is called as it is."""
+    if kernel.vendor:
+        return lambda q, k, v: kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     launch = kernel.bind_forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
     if launch is None:
-        def launch(q, k, v, o, lse, kernel=kernel):
+        def launch(q, k, v, o, lse):
             kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
-    if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
-        inference_plans.clear()
-    inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = launch
-    return out
+
+    def plan(q, k, v):
+        out = torch.empty_like(q)  # q's memory layout, as forward_with_lse
+        # A fresh lse each call (discarded): a buffer kept by the plan could be freed while a kernel
+        # on another stream, or a captured CUDA graph, still writes to it.
+        launch(q, k, v, out, torch.empty(q.shape[:3], device=q.device, dtype=torch.float32))
+        return out
+    return plan
 
 
 def reset() -> None:

@@ -9,6 +9,9 @@ import os
 import platform
 
 
+INTERPRETER_NAME = "triton-interpreter"
+
+
 @dataclasses.dataclass(frozen=True)
 class GPUFingerprint:
     """What a tuned result depends on besides the problem: the chip and the software stack."""
@@ -22,6 +25,11 @@ class GPUFingerprint:
     triton_version: str
     cuda_version: str
     autoflash_version: str
+
+    @property
+    def on_gpu(self) -> bool:
+        """False for the CPU interpreter's stand-in fingerprint."""
+        return not self.name.startswith(INTERPRETER_NAME)
 
     @property
     def key(self) -> str:
@@ -57,7 +65,7 @@ def gpu_fingerprint(device_index: int | None = None) -> GPUFingerprint:
                               **versions)
     # The interpreter has no hardware limits or compiler bugs; report a recent compute capability
     # and Hopper's shared memory so every structural variant can be checked on the CPU.
-    return GPUFingerprint(name=f"triton-interpreter ({platform.machine()})", cc_major=10, cc_minor=0,
+    return GPUFingerprint(name=f"{INTERPRETER_NAME} ({platform.machine()})", cc_major=10, cc_minor=0,
                           sm_count=1, smem_per_block=232448, **versions)
 
 

@@ -54,6 +54,10 @@ class WinnerTable:
         self.rows: dict[str, Variant] = {}  # problem key -> variant (of any current family)
         self.origins: dict[str, str] = {}  # problem key -> the DB file its winner came from
         self._ms: dict[str, float] = {}  # problem key -> the winner's measured median (between families)
+        # The same for autoflash's own families only (a vendor winner is stored beside the best own)
+        self.own_rows: dict[str, Variant] = {}
+        self.own_origins: dict[str, str] = {}
+        self._own_ms: dict[str, float] = {}
         for path in self.default_paths() if paths is None else paths:
             self._load(path)
 
@@ -81,8 +85,9 @@ class WinnerTable:
             warnings.warn(f"autoflash: ignoring results DB {path}: {detail}", RuntimeWarning, stacklevel=2)
             return
         decided = set(self.rows)  # an earlier DB (the user's) already decided these problems
+        own_decided = set(self.own_rows)
         for row in rows:
-            if row["problem"] in decided:
+            if row["problem"] in decided and row["problem"] in own_decided:
                 continue
             try:
                 problem = Problem.from_key(row["problem"])
@@ -95,22 +100,28 @@ class WinnerTable:
                               RuntimeWarning, stacklevel=2)
                 continue
             ms = row.get("median_ms") if isinstance(row.get("median_ms"), (int, float)) else math.inf
-            if problem.key in self.rows and self._ms[problem.key] <= ms:
-                continue  # two families' winners in one DB: the faster one serves
-            self.rows[problem.key], self.origins[problem.key], self._ms[problem.key] = variant, str(path), ms
+            tables = [(self.rows, self.origins, self._ms, decided)]
+            if not load_space(family).vendor:
+                tables.append((self.own_rows, self.own_origins, self._own_ms, own_decided))
+            for winners, origins, medians, done in tables:
+                if problem.key in done or (problem.key in winners and medians[problem.key] <= ms):
+                    continue  # two families' winners in one DB: the faster one serves
+                winners[problem.key], origins[problem.key], medians[problem.key] = variant, str(path), ms
 
-    def lookup(self, problem: Problem) -> tuple[Variant | None, str]:
-        """(variant, how): exact bucket, else the nearest bucket of the same kind, else None."""
-        variant, how, _ = self.explain(problem)
+    def lookup(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str]:
+        """(variant, how): exact bucket, else the nearest bucket of the same kind, else None.
+        own_only: among autoflash's own kernel families (no vendor kernel)."""
+        variant, how, _ = self.explain(problem, own_only)
         return variant, how
 
-    def explain(self, problem: Problem) -> tuple[Variant | None, str, str | None]:
+    def explain(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str, str | None]:
         """(variant, how, DB file it came from): like `lookup`, plus the winner's origin."""
-        exact = self.rows.get(problem.key)
+        rows, origins = (self.own_rows, self.own_origins) if own_only else (self.rows, self.origins)
+        exact = rows.get(problem.key)
         if exact is not None:
-            return exact, "exact", self.origins[problem.key]
+            return exact, "exact", origins[problem.key]
         best, best_distance = None, math.inf
-        for key, variant in self.rows.items():
+        for key, variant in rows.items():
             p = Problem.from_key(key)
             if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group) != (
                     problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group):
@@ -124,7 +135,7 @@ class WinnerTable:
                 best, best_distance = (key, variant), distance
         if best is None:
             return None, "default", None
-        return best[1], f"nearest ({best[0]})", self.origins[best[0]]
+        return best[1], f"nearest ({best[0]})", origins[best[0]]
 
 
 # A winner serves a problem of another occupancy bucket at most this many buckets (factors of 2 in
@@ -200,9 +211,10 @@ class Dispatcher:
         self.kernels.clear()
         self._winners.clear()  # reload, now with the new winner
 
-    def variant_for(self, problem: Problem, device: GPUFingerprint, device_index=None) -> Variant:
-        """The tuned winner for this problem (exact or nearest bucket), else the built-in default."""
-        tuned, how = self.winners(device, device_index).lookup(problem)
+    def variant_for(self, problem: Problem, device: GPUFingerprint, device_index=None, own_only: bool = False) -> Variant:
+        """The tuned winner for this problem (exact or nearest bucket), else the built-in default.
+        own_only: autoflash's own kernels only (no vendor kernel)."""
+        tuned, how = self.winners(device, device_index).lookup(problem, own_only)
         if tuned is not None:
             log.debug("autoflash: %s -> tuned winner (%s)", problem.key, how)
             return tuned
@@ -212,13 +224,15 @@ class Dispatcher:
                      device.name)
         return default_variant(problem.op, problem, device)
 
-    def kernel_for(self, q, k, v, o, causal: bool, op: str = "fwd") -> Kernel:
+    def kernel_for(self, q, k, v, o, causal: bool, op: str = "fwd", own_only: bool = False) -> Kernel:
         """The compiled kernel for these tensors. Hot path: one dict lookup keyed by exact shapes,
         strides and 16-byte alignment; everything else happens once per key.
-        o: the fourth tensor a kernel reads or writes: the output (fwd), dO (bwd)."""
+        o: the fourth tensor a kernel reads or writes: the output (fwd), dO (bwd).
+        own_only: autoflash's own kernels only (the caller needs the log-sum-exp, or a causal
+        alignment other than top-left): a vendor winner is passed over for the best own one."""
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
         key = (op, causal, q.dtype, q.device, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(),
-               aligned)
+               aligned, own_only)
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
@@ -231,8 +245,10 @@ class Dispatcher:
                     self._record(q, k, problem)
                 if problem.key not in self.winners(device, device_index).rows:
                     self._tune_on_miss(problem, q, k)
-                variant = self.variant_for(problem, device, device_index)
-                kernel = self._servable(codegen.load(variant), problem, device, q, k, v, o)
+                kernel = codegen.load(self.variant_for(problem, device, device_index, own_only))
+                if kernel.vendor and kernel.unsupported(q, k, v, o):  # e.g. a GPU winner, CPU tensors
+                    kernel = codegen.load(self.variant_for(problem, device, device_index, own_only=True))
+                kernel = self._servable(kernel, problem, device, q, k, v, o)
                 log.debug("autoflash: %s -> %s", problem.key, kernel)
                 self.kernels[key] = kernel
         return kernel

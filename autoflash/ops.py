@@ -3,7 +3,8 @@
 `autoflash::attn_fwd` returns (out, lse); its backward is `autoflash::attn_bwd`, which recomputes
 the score tiles from q, k, v, out and lse (the only tensors saved: memory stays linear in N).
 Registered as custom ops with fake (meta) implementations, so torch.compile treats each as one
-opaque node instead of tracing into Triton's launcher.
+opaque node instead of tracing into Triton's launcher. Both run autoflash's own kernels: where a
+vendor kernel (torch SDPA) won a problem, `api` calls it instead of these ops.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
     """q: (B, H, Nq, D), k/v: (B, H_kv, Nk, D), any strides -> out (q's memory layout), lse (B, H, Nq) fp32."""
     out = torch.empty_like(q)  # preserves q's layout: a (B,N,H,D)-strided view gives a (B,N,H,D) buffer
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    get_dispatcher().kernel_for(q, k, v, out, causal).forward(q, k, v, out, lse, scale, causal, causal_offset)
+    # own kernels only: the lse feeds autoflash's backward (a vendor winner gives none)
+    get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True).forward(q, k, v, out, lse, scale, causal,
+                                                                              causal_offset)
     return out, lse
 
 
@@ -33,7 +36,7 @@ def attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
              lse: torch.Tensor, scale: float, causal: bool,
              causal_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    get_dispatcher().kernel_for(q, k, v, grad_out, causal, op="bwd").backward(
+    get_dispatcher().kernel_for(q, k, v, grad_out, causal, op="bwd", own_only=True).backward(
         q, k, v, out, lse, grad_out, dq, dk, dv, scale, causal, causal_offset)
     return dq, dk, dv
 

@@ -115,7 +115,8 @@ def reference_grads(q, k, v, grad, causal, offset, scale, dtype=torch.float64):
 
 
 def sdpa_backend(name: str):
-    """'cudnn' / 'flash' (optionally 'sdpa_'-prefixed) -> torch's SDPBackend member."""
+    """'cudnn' / 'flash' / 'efficient' / 'math' (optionally 'sdpa_'-prefixed) -> torch's SDPBackend member."""
     from torch.nn.attention import SDPBackend
 
-    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name.removeprefix("sdpa_")]
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name.removeprefix("sdpa_")]

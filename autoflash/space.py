@@ -29,6 +29,8 @@ FAMILIES = {
     "triton_bwd": "attn_bwd.toml",
     "gluon_sm90_fwd": "attn_fwd_sm90.toml",  # Hopper only (its constraints say cc 9.0)
     "triton_decode": "attn_decode.toml",
+    "sdpa_fwd": "sdpa_fwd.toml",  # vendor kernels (torch SDPA backends) as candidates: autoflash/vendor.py
+    "sdpa_bwd": "sdpa_bwd.toml",
 }
 # Each op's first family: where its built-in defaults come from, and what a bare op name means
 # (`load_space("fwd")`, stored variants written before families existed).
@@ -142,11 +144,12 @@ class Constraint:
 class Space:
     family: str
     op: str
-    template: str
+    template: str  # "" for a vendor family
     knobs: dict  # knob -> tuple of choices (declared order)
     derived: dict  # name -> expression
     constraints: tuple
     defaults: tuple = ()  # ((when rule, {knob: value}, measured), ...), applied in order
+    vendor: str = ""  # a family of kernels autoflash does not generate (e.g. "torch_sdpa")
 
     # ---- sizes and enumeration
     @property
@@ -244,7 +247,8 @@ def problem_names(problem: Problem) -> dict:
 def device_names(problem: Problem, device: GPUFingerprint) -> dict:
     triton_major, triton_minor = triton_release(device.triton_version)
     return dict(problem_names(problem), cc_major=device.cc_major, cc_minor=device.cc_minor,
-                smem_limit=device.smem_per_block, triton_major=triton_major, triton_minor=triton_minor)
+                smem_limit=device.smem_per_block, triton_major=triton_major, triton_minor=triton_minor,
+                on_gpu=device.on_gpu)
 
 
 def triton_release(version: str) -> tuple[int, int]:
@@ -286,8 +290,10 @@ def parse_space(text: str, family: str | None = None) -> Space:
         for knob, value in values.items():
             if knob not in knobs or not any(type(value) is type(c) and value == c for c in knobs[knob]):
                 raise ValueError(f"[[defaults]] of {family}: {knob}={value!r} is not a declared choice")
-    return Space(family=family, op=data["op"], template=data["template"], knobs=knobs, derived=derived,
-                 constraints=constraints, defaults=defaults)
+    if bool(data.get("template")) == bool(data.get("vendor")):
+        raise ValueError(f"search space of {family}: name either a `template` or a `vendor`, not both or neither")
+    return Space(family=family, op=data["op"], template=data.get("template", ""), knobs=knobs, derived=derived,
+                 constraints=constraints, defaults=defaults, vendor=data.get("vendor", ""))
 
 
 def default_variant(op: str, problem: Problem, device: GPUFingerprint) -> Variant:

@@ -68,6 +68,13 @@ def run_variant(kernel: Kernel, q, k, v, causal: bool, causal_offset: int, scale
     return out, lse
 
 
+def _alignment(kernel: Kernel, gs: Shape, i: int) -> int:
+    """The causal offset of gate shape i: every other one bottom-right, where the kernel takes it
+    (a vendor kernel's mask is top-left only, and it is never served another)."""
+    off = causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")
+    return off if kernel.takes_causal_offset(gs.causal, off) else causal_offset_for(gs, "top_left")
+
+
 def check(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
     """The correctness gate of a forward or backward kernel (by its op)."""
     return (check_backward if kernel.op == "bwd" else check_forward)(kernel, shape, device, seed)
@@ -82,13 +89,13 @@ def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateRe
     worst = GateResult(True, 0.0, 0.0, 0.0)
     for i, gs in enumerate(gate_shapes(shape)):
         q, k, v = make_inputs(gs, device, seed=seed + i, layout="bnhd" if i % 2 else "bhnd")
-        off = causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")
+        off = _alignment(kernel, gs, i)
         scale = 1.0 / math.sqrt(gs.head_dim)
         out, lse = run_variant(kernel, q, k, v, gs.causal, off, scale)
         ref_out, ref_lse = reference(q, k, v, gs.causal, off, scale)
         err = rel_error(out, ref_out)
         s_err = sdpa_error(q, k, v, gs.causal, off, scale, ref_out)
-        l_err = lse_error(lse, ref_lse)
+        l_err = lse_error(lse, ref_lse) if kernel.has_lse else 0.0  # (a vendor kernel serves no LSE)
         bound = max(GATE_FACTOR * s_err, GATE_FLOOR[gs.dtype])
         ok = math.isfinite(err) and err <= bound and l_err <= LSE_TOL
         worst = GateResult(worst.passed and ok, max(worst.err, err if math.isfinite(err) else math.inf),
@@ -103,21 +110,26 @@ def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateRe
 GRAD_GATE_FACTOR = 3.0  # gradients: error <= 3x SDPA's own gradient error (DESIGN.md §4)
 
 
-def forward_for_backward(q, k, v, causal: bool, offset: int, scale: float):
-    """(out, lse) from the forward family's default kernel for these tensors: what a backward
-    variant consumes. Built through codegen (never the API: no dispatcher, DB or tune-on-miss)."""
+def forward_kernel_for_backward(q, k, v, causal: bool) -> Kernel:
+    """The forward family's default kernel for these tensors: what gives a backward variant its O
+    and LSE. Built through codegen (never the API: no dispatcher, DB or tune-on-miss)."""
     shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
                   seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:])
     device = gpu_fingerprint(q.device.index if q.is_cuda else None)
     variant = default_variant("fwd", shape.problem, device)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     kernel = codegen.load(variant)
-    if kernel.unsupported(q, k, v, out) and "LOADS" in variant.as_dict():
+    if kernel.unsupported(q, k, v, q) and "LOADS" in variant.as_dict():
         space = load_space(variant.family)
         kernel = codegen.load(space.nearest_valid(variant.replace(LOADS="pointer", WARP_SPECIALIZE=False),
                                                   shape.problem, device))
-    kernel.forward(q, k, v, out, lse, scale, causal, offset)
+    return kernel
+
+
+def forward_for_backward(q, k, v, causal: bool, offset: int, scale: float):
+    """(out, lse) from `forward_kernel_for_backward`: what a backward variant consumes."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    forward_kernel_for_backward(q, k, v, causal).forward(q, k, v, out, lse, scale, causal, offset)
     return out, lse
 
 
@@ -127,7 +139,7 @@ def check_backward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateR
     for i, gs in enumerate(gate_shapes(shape)):
         q, k, v = make_inputs(gs, device, seed=seed + i, layout="bnhd" if i % 2 else "bhnd")
         grad = make_inputs(gs, device, seed=seed + 100 + i)[0]
-        off = causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")
+        off = _alignment(kernel, gs, i)
         scale = 1.0 / math.sqrt(gs.head_dim)
         out, lse = forward_for_backward(q, k, v, gs.causal, off, scale)
         grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]

@@ -3,6 +3,7 @@ process, TFLOP/s. In the interpreter, the wall clock of one call (not GPU perfor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -11,7 +12,7 @@ import torch
 from autoflash.codegen import Kernel
 from autoflash.problem import Shape
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
-from autoflash.tuning.gate import forward_for_backward, require_supported
+from autoflash.tuning.gate import forward_kernel_for_backward, require_supported
 
 
 def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -28,15 +29,32 @@ def time_variant(kernel: Kernel, shape: Shape, device, rep_ms: float = 100, alig
 
 
 def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
-    """A no-argument launch of a forward or backward variant on fixed inputs (outputs allocated
-    once; a backward variant gets out/lse from the forward and a random dO)."""
+    """A no-argument call of a forward or backward variant on fixed inputs (outputs allocated once).
+
+    A backward problem is timed as a training step's attention, forward + backward, for every
+    family: an own backward after the forward family's default kernel (which gives it O and LSE),
+    a vendor kernel through torch autograd. So a vendor pair and autoflash's pair compete on the
+    same quantity (a vendor forward's output cannot feed autoflash's backward)."""
     scale = 1.0 / math.sqrt(shape.head_dim)
+    if not kernel.takes_causal_offset(shape.causal, off):
+        raise ValueError(f"{kernel.family} cannot take causal offset {off}")
+    require_supported(kernel, q, k, v, q)
+    if kernel.vendor:
+        if kernel.op == "bwd":
+            grad = make_inputs(shape, q.device, seed=4321)[0]
+            return lambda: kernel.gradients(q, k, v, grad, scale, shape.causal, off)
+        return lambda: kernel.attention(q, k, v, scale, shape.causal, off)
     if kernel.op == "bwd":
         grad = make_inputs(shape, q.device, seed=4321)[0]
-        out, lse = forward_for_backward(q, k, v, shape.causal, off, scale)
+        forward = forward_kernel_for_backward(q, k, v, shape.causal)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         grads = [torch.empty_like(t) for t in (q, k, v)]
         require_supported(kernel, q, k, v, grad)
-        return lambda: kernel.backward(q, k, v, out, lse, grad, *grads, scale, shape.causal, off)
+
+        def step():
+            forward.forward(q, k, v, out, lse, scale, shape.causal, off)
+            kernel.backward(q, k, v, out, lse, grad, *grads, scale, shape.causal, off)
+        return step
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     require_supported(kernel, q, k, v, out)
@@ -47,7 +65,9 @@ SDPA_BACKENDS = ("cudnn", "flash")
 
 
 def tflops(shape: Shape, ms: float) -> float:
-    return shape.flops() / (ms * 1e-3) / 1e12 if ms and math.isfinite(ms) and ms > 0 else float("nan")
+    """TFLOP/s of what was timed: a backward problem's time is forward + backward (see launch_callable)."""
+    flops = dataclasses.replace(shape, op="fwdbwd").flops() if shape.op == "bwd" else shape.flops()
+    return flops / (ms * 1e-3) / 1e12 if ms and math.isfinite(ms) and ms > 0 else float("nan")
 
 
 def time_callable(fn, device, rep_ms: float) -> float:
@@ -60,8 +80,9 @@ def time_callable(fn, device, rep_ms: float) -> float:
 
 
 def sdpa_callable(backend: str, shape: Shape, q, k, v, backward: bool = False):
-    """A no-argument call of torch SDPA with one backend forced (its backward only, when asked),
-    or None when that backend refuses the shape."""
+    """A no-argument call of torch SDPA with one backend forced (forward + backward through
+    autograd when `backward`: how a backward problem is timed), or None when that backend refuses
+    the shape."""
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
@@ -69,15 +90,12 @@ def sdpa_callable(backend: str, shape: Shape, q, k, v, backward: bool = False):
     gqa = shape.heads_q != shape.heads_kv
     if backward:
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        try:
-            with sdpa_kernel([which]):
-                out = F.scaled_dot_product_attention(*leaves, is_causal=shape.causal, enable_gqa=gqa)
-        except RuntimeError:
-            return None
-        grad = torch.randn_like(out)
+        grad = torch.randn_like(q)
 
         def fn():
-            torch.autograd.grad(out, leaves, grad, retain_graph=True)
+            with sdpa_kernel([which]):
+                out = F.scaled_dot_product_attention(*leaves, is_causal=shape.causal, enable_gqa=gqa)
+            torch.autograd.grad(out, leaves, grad)
     else:
         def fn():
             with sdpa_kernel([which]):

@@ -32,6 +32,7 @@ from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions, media
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.seeds import current_winners, read_shipped_winners, seed_variants
 from autoflash.tuning.timing import tflops
+from autoflash.tuning.winner_rows import store_winner_rows
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -81,7 +82,8 @@ class Tuner:
         budget split between them), then re-measure the best of all families together."""
         problem = shape.problem
         valid = {f: load_space(f).valid_variants(problem, self.device) for f in families_for(problem.op)}
-        families = [f for f in valid if valid[f]]
+        # (vendor kernels compete on a GPU; in the interpreter they would beat every interpreted one)
+        families = [f for f in valid if valid[f] and not (self.opt.interpret and load_space(f).vendor)]
         if not families:
             return ProblemResult(shape, problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
         default = default_variant(problem.op, problem, self.device)
@@ -286,15 +288,10 @@ class Tuner:
             spread = spread_of(samples.get(winner_key, []))
         ms = {"tuned": medians[winner_key], "default": medians.get(default_key, math.nan),
               "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
-        family, _, winner_json = winner_key.partition(":")
-        winner = candidates[winner_key]
-        self.store.set_winner(gpu_key=self.gpu_key, problem=problem, template_hash=codegen.template_hash(family),
-                              variant_json=winner_json, median_ms=ms["tuned"], spread=spread,
-                              tflops=tflops(shape, ms["tuned"]), trials=measured, run_id=self.run_id,
-                              default_ms=ms["default"], sdpa_cudnn_ms=ms["sdpa_cudnn"],
-                              sdpa_flash_ms=ms["sdpa_flash"], shape=dataclasses.asdict(shape),
-                              replaces=[codegen.template_hash(f) for f in families_for(problem.op)])
-        return ProblemResult(shape, problem, winner, ms, spread, measured, failed, "tuned")
+        store_winner_rows(self.store, gpu_key=self.gpu_key, problem=problem, shape=shape, winner_key=winner_key,
+                          finite=finite, medians=medians, samples=samples, spread=spread, ms=ms,
+                          measured=measured, run_id=self.run_id)
+        return ProblemResult(shape, problem, candidates[winner_key], ms, spread, measured, failed, "tuned")
 
     def _trusted_variant(self, key: str, row: dict, problem) -> Variant | None:
         """The Variant of a 'family:variant JSON' trial, when it may compete (see `_pick_winner`)."""

@@ -1,0 +1,42 @@
+"""How a picked winner is stored: one row per problem, and when a vendor kernel (torch SDPA,
+autoflash/vendor.py) won, the best own kernel of the same re-measure beside it, so a call that
+needs autoflash's own kernel (a forward whose log-sum-exp feeds autoflash's backward, or `autoflash
+bench`'s own-kernels column) is still served a tuned one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autoflash import codegen
+from autoflash.space import families_for, load_space
+from autoflash.tuning.results import spread as spread_of
+from autoflash.tuning.timing import tflops
+
+
+def is_vendor(method: str) -> bool:
+    """Whether a 'family:variant JSON' method is a vendor family's."""
+    return bool(load_space(method.partition(":")[0]).vendor)
+
+
+def store_winner_rows(store, *, gpu_key, problem, shape, winner_key: str, finite: list[str], medians: dict,
+                      samples: dict, spread: float, ms: dict, measured: int, run_id: int) -> None:
+    """Write the winner (superseding every other family's winner of the problem); after a vendor
+    win, first the fastest finite own candidate (superseding the own families' rows only)."""
+    families = families_for(problem.op)
+    own_families = [f for f in families if not load_space(f).vendor]
+    rows = [(winner_key, medians[winner_key], spread, families)]
+    if is_vendor(winner_key):
+        own = [m for m in finite if not is_vendor(m)]
+        if own:
+            best_own = min(own, key=lambda m: medians[m])
+            rows.insert(0, (best_own, medians[best_own], spread_of(samples.get(best_own, [])), own_families))
+        rows[-1] = (*rows[-1][:3], [f for f in families if f not in own_families])
+    for method, median_ms, row_spread, replaced in rows:
+        family, _, variant_json = method.partition(":")
+        store.set_winner(gpu_key=gpu_key, problem=problem, template_hash=codegen.template_hash(family),
+                         variant_json=variant_json, median_ms=median_ms, spread=row_spread,
+                         tflops=tflops(shape, median_ms), trials=measured, run_id=run_id,
+                         default_ms=ms["default"], sdpa_cudnn_ms=ms["sdpa_cudnn"], sdpa_flash_ms=ms["sdpa_flash"],
+                         shape=dataclasses.asdict(shape), replaces=[codegen.template_hash(f) for f in replaced])
+
+

@@ -1,0 +1,81 @@
+"""Vendor kernel families: torch SDPA with one backend forced (cuDNN, flash, efficient; flash and
+math on the CPU), behind the same contract as autoflash's generated kernels (`codegen.Kernel`), so
+the tuner gates and times them like any family and the dispatcher can serve one as a problem's
+winner: a tuned model is never slower than torch SDPA was.
+
+What differs from a generated kernel, and who checks it:
+- no log-sum-exp (`has_lse = False`): the gate does not compare one, and a call that needs it (a
+  forward feeding autoflash's backward) is served by the best own kernel instead;
+- SDPA's causal mask is aligned top-left (`takes_causal_offset`): calls with another alignment are
+  served by an own kernel;
+- a backward problem's vendor winner means "forward and backward by this backend, through torch
+  autograd" (chosen as a pair on forward + backward time).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autoflash.reference import sdpa_backend
+from autoflash.space import Variant
+
+
+class SdpaKernel:
+    """torch SDPA with `variant["BACKEND"]` forced, as a kernel family of `variant.op`."""
+
+    vendor = True
+    has_lse = False
+    uses_tma = False
+    __slots__ = ("variant", "op", "family", "backend", "_backend")
+
+    def __init__(self, variant: Variant):
+        self.variant, self.op, self.family = variant, variant.op, variant.family
+        self.backend = variant["BACKEND"]
+        self._backend = sdpa_backend(self.backend)
+
+    @staticmethod
+    def takes_causal_offset(causal: bool, causal_offset: int) -> bool:
+        """SDPA's is_causal is the top-left mask: other alignments are not this family's."""
+        return not causal or causal_offset == 0
+
+    def unsupported(self, q, k, v, o) -> str | None:
+        offered = ("cudnn", "flash", "efficient") if q.is_cuda else ("flash", "math")  # as sdpa_*.toml
+        if self.backend not in offered:
+            return f"the {self.backend} backend is not offered on {q.device.type} tensors here"
+        return None
+
+    def attention(self, q, k, v, sm_scale: float, causal: bool, causal_offset: int = 0) -> torch.Tensor:
+        """The output (B, H, Nq, D) of SDPA on this backend. Differentiable through torch autograd."""
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+
+        if not self.takes_causal_offset(causal, causal_offset):
+            raise ValueError(f"torch SDPA's causal mask is top-left; causal_offset {causal_offset} is not")
+        with sdpa_kernel([self._backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+
+    def forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int) -> None:
+        """o written in place (a copy of SDPA's output); lse is left as it is (`has_lse`)."""
+        o.copy_(self.attention(q, k, v, sm_scale, causal, causal_offset))
+
+    def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
+        """dq, dk, dv of SDPA's own forward on this backend (o and lse are not used)."""
+        for grad, value in zip((dq, dk, dv), self.gradients(q, k, v, do, sm_scale, causal, causal_offset)):
+            grad.copy_(value)
+
+    def gradients(self, q, k, v, do, sm_scale: float, causal: bool, causal_offset: int = 0):
+        """(dq, dk, dv) by forward + backward through torch autograd: what a training step runs."""
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            out = self.attention(*leaves, sm_scale, causal, causal_offset)
+            return torch.autograd.grad(out, leaves, do)
+
+    def bind_forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int):
+        return None  # SDPA has its own host path
+
+    def compile_for(self, q, k, v, causal: bool, causal_offset: int) -> None:
+        pass  # nothing to build
+
+    def __repr__(self) -> str:
+        return f"SdpaKernel({self.family}: {self.backend})"

@@ -1,0 +1,150 @@
+"""Vendor kernels (torch SDPA backends) as candidates: gated and timed like the own families, stored
+beside the best own kernel, dispatched where they won, passed over where their semantics differ
+(top-left causal mask only, no log-sum-exp), and never mistaken for a fallback."""
+
+import json
+
+import pytest
+import torch
+
+import autoflash
+from autoflash import api, codegen
+from autoflash.device import gpu_fingerprint
+from autoflash.dispatch import Dispatcher, WinnerTable, get_dispatcher
+from autoflash.problem import Shape
+from autoflash.reference import reference, rel_error
+from autoflash.space import Variant, default_variant, families_for, load_space
+from autoflash.store import Store
+from autoflash.tuning.sandbox import evaluate_variant
+from autoflash.tuning.winner_rows import store_winner_rows
+
+pytestmark = pytest.mark.interpreter
+DEVICE = gpu_fingerprint()
+SHAPE = Shape(batch=2, heads_q=4, heads_kv=2, seqlen_q=40, seqlen_k=40, head_dim=32, causal=True, dtype="float32")
+
+
+def sdpa(op: str, backend: str) -> Variant:
+    return load_space(f"sdpa_{op}").check_declared({"BACKEND": backend})
+
+
+def test_vendor_families_are_registered_per_op_and_offer_what_this_device_runs():
+    assert "sdpa_fwd" in families_for("fwd") and "sdpa_bwd" in families_for("bwd")
+    valid = {v["BACKEND"] for v in load_space("sdpa_fwd").valid_variants(SHAPE.problem, DEVICE)}
+    assert valid == {"flash", "math"}  # the CPU build's backends (cuDNN etc. on a GPU)
+    # its hash is the space file's: a stored vendor winner is keyed like any other
+    assert codegen.family_for_hash("fwd", codegen.template_hash("sdpa_fwd")) == "sdpa_fwd"
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+@pytest.mark.parametrize("backend", ["flash", "math"])
+def test_a_vendor_candidate_passes_the_same_gate_and_is_timed(op, backend):
+    shape = Shape(**{**SHAPE.__dict__, "op": op})
+    outcome = evaluate_variant(sdpa(op, backend).json(), f"sdpa_{op}", shape, rep_ms=1, device_str="cpu")
+    assert outcome.status == "ok", outcome.message
+    assert outcome.ms > 0 and outcome.err <= 2 * outcome.sdpa_err + 1e-5
+
+
+def _db_with(path, rows):
+    store = Store(path)
+    store.add_gpu(DEVICE)
+    for problem, variant, ms in rows:
+        store.set_winner(gpu_key=DEVICE.key, problem=problem, template_hash=codegen.template_hash(variant.family),
+                         variant_json=variant.json(), median_ms=ms, spread=0.0, tflops=1.0, trials=3)
+    store.close()
+    return path
+
+
+@pytest.fixture
+def vendor_winners(tmp_path, monkeypatch):
+    """A user DB where torch SDPA (math backend) won the problems of SHAPE, forward and backward,
+    and the best own kernels are stored beside it (slower)."""
+    fwd, bwd = SHAPE.problem, Shape(**{**SHAPE.__dict__, "op": "bwd"}).problem
+    db = _db_with(tmp_path / "user.db", [
+        (fwd, sdpa("fwd", "math"), 1.0), (fwd, default_variant("fwd", fwd, DEVICE), 2.0),
+        (bwd, sdpa("bwd", "math"), 1.0), (bwd, default_variant("bwd", bwd, DEVICE), 2.0)])
+    monkeypatch.setenv("AUTOFLASH_DB", str(db))
+    api.reset()
+    yield db
+    api.reset()
+
+
+def _inputs(nq=SHAPE.seqlen_q, nk=SHAPE.seqlen_k, grad=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(SHAPE.batch, SHAPE.heads_q, nq, SHAPE.head_dim, generator=g)
+    k, v = (torch.randn(SHAPE.batch, SHAPE.heads_kv, nk, SHAPE.head_dim, generator=g) for _ in range(2))
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def test_an_sdpa_winner_is_dispatched_and_the_own_one_is_kept_for_calls_that_need_it(vendor_winners):
+    q, k, v = _inputs()
+    d = get_dispatcher()
+    assert d.kernel_for(q, k, v, q, True).vendor
+    assert not d.kernel_for(q, k, v, q, True, own_only=True).vendor
+    ref = reference(q, k, v, True, 0, SHAPE.head_dim ** -0.5)[0]
+    for _ in range(2):  # the first call plans, the second replays the plan
+        out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert rel_error(out, ref) < 1e-5
+    (plan,) = api.inference_plans.values()
+    assert rel_error(plan(q, k, v), ref) < 1e-5
+
+
+def test_a_causal_mask_aligned_bottom_right_goes_to_the_own_kernel(vendor_winners):
+    q, k, v = _inputs(nq=24)  # flash_attn_func: query i sees keys j <= i + (40 - 24)
+    out = autoflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    ref = reference(q, k, v, True, 16, SHAPE.head_dim ** -0.5)[0]
+    assert rel_error(out.transpose(1, 2), ref) < 1e-5
+
+
+def test_training_runs_the_vendor_pair_through_torch_autograd(vendor_winners):
+    q, k, v = _inputs(grad=True)
+    out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert "autoflash" not in out.grad_fn.name()  # SDPA's own autograd node, not autoflash's op
+    out.sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference(q64, k64, v64, True, 0, SHAPE.head_dim ** -0.5)[0].sum().backward()
+    for mine, ref in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert rel_error(mine, ref) < 1e-5
+
+
+def test_strict_mode_serves_a_vendor_winner_but_still_refuses_fallbacks(vendor_winners, monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    q, k, v = _inputs()
+    autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)  # a tuned winner: not a fallback
+    with pytest.raises(api.FallbackError):
+        autoflash.attention(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool), enable_gqa=True)
+
+
+def test_a_vendor_win_stores_the_best_own_candidate_beside_it(tmp_path):
+    store = Store(tmp_path / "w.db")
+    gpu_key = store.add_gpu(DEVICE)
+    problem = SHAPE.problem
+    own = [default_variant("fwd", problem, DEVICE), load_space("fwd").valid_variants(problem, DEVICE)[0]]
+    methods = [f"{v.family}:{v.json()}" for v in (sdpa("fwd", "flash"), *own)]
+    medians = dict(zip(methods, (1.0, 3.0, 2.0)))
+    ms = {"default": 3.0, "sdpa_cudnn": float("nan"), "sdpa_flash": float("nan")}
+    store_winner_rows(store, gpu_key=gpu_key, problem=problem, shape=SHAPE, winner_key=methods[0], finite=methods,
+                      medians=medians, samples={}, spread=0.0, ms=ms, measured=3, run_id=None)
+    rows = {r["template_hash"]: json.loads(r["variant"]) for r in store.winners()}
+    assert rows == {codegen.template_hash("sdpa_fwd"): {"BACKEND": "flash"},
+                    codegen.template_hash("triton_fwd"): own[1].as_dict()}
+    table = WinnerTable(DEVICE, [store.path])
+    assert table.lookup(problem) == (sdpa("fwd", "flash"), "exact")
+    assert table.lookup(problem, own_only=True) == (own[1], "exact")
+    # an own win afterwards supersedes both
+    store_winner_rows(store, gpu_key=gpu_key, problem=problem, shape=SHAPE, winner_key=methods[1],
+                      finite=methods, medians=medians, samples={}, spread=0.0, ms=ms, measured=3, run_id=None)
+    assert [json.loads(r["variant"]) for r in store.winners()] == [own[0].as_dict()]
+    store.close()
+
+
+def test_a_vendor_winner_this_device_does_not_offer_is_never_served(tmp_path):
+    """cuDNN on the CPU: the kernel says it cannot take the tensors, and the stored row is rejected
+    by the space's constraints (with a warning) before it could be served."""
+    cudnn = load_space("sdpa_fwd").check_declared({"BACKEND": "cudnn"})
+    problem = SHAPE.problem
+    db = _db_with(tmp_path / "w.db", [(problem, cudnn, 1.0)])
+    q, k, v = _inputs()
+    assert "not offered" in codegen.load(cudnn).unsupported(q, k, v, q)
+    with pytest.warns(RuntimeWarning, match="rejected winner"):  # not valid on this device's space either
+        kernel = Dispatcher(winner_paths=[db]).kernel_for(q, k, v, q, True)
+    assert not kernel.vendor

@@ -43,8 +43,8 @@ def _variant_fn(variant: Variant, shape: Shape, q, k, v, template_file=None) -> 
 def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,
               rep_ms: float = 50, sdpa: tuple = SDPA_BACKENDS, progress: Callable[[str], None] | None = None,
               device: str = "cuda", templates: dict[str, str] | None = None) -> list[BenchRow]:
-    """Time each named variant chooser and each SDPA backend on every shape (forward or backward
-    alone, by the shapes' op). templates: method name -> a template file to render that method's
+    """Time each named variant chooser and each SDPA backend on every shape: the forward, or for a
+    backward shape forward + backward as the tuner times a backward problem (rows say op "fwdbwd"). templates: method name -> a template file to render that method's
     variants from instead of the package's. device='cpu' (the Triton interpreter) times one call by
     wall clock and skips SDPA: a pipeline check, not performance."""
     rows = []
@@ -67,22 +67,27 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
         ms = {name: statistics.median(s) for name, s in samples.items()}
         for backend in sdpa:
             ms.setdefault(f"sdpa_{backend}", float("nan"))
-        rows.append(BenchRow(shape, ms))
+        rows.append(BenchRow(dataclasses.replace(shape, op="fwdbwd") if shape.op == "bwd" else shape, ms))
         del q, k, v
     return rows
 
 
 def _fwdbwd_fn(method: str, shape: Shape, q, k, v, grad) -> Callable[[], None] | None:
-    """Forward + backward through autograd: autoflash.attention or SDPA with one backend forced."""
+    """Forward + backward through autograd: autoflash.attention (dispatched: a vendor pair where one
+    won), autoflash's own kernels alone ("autoflash-own"), or SDPA with one backend forced."""
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     import autoflash
+    from autoflash import ops
 
     gqa = shape.heads_q != shape.heads_kv
     if method == "autoflash":
         def fn():
             autoflash.attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa).backward(grad)
+    elif method == "autoflash-own":
+        def fn():
+            ops.attn_fwd(q, k, v, shape.head_dim ** -0.5, shape.causal, 0)[0].backward(grad)
     else:
         which = sdpa_backend(method)
 
@@ -92,7 +97,7 @@ def _fwdbwd_fn(method: str, shape: Shape, q, k, v, grad) -> Callable[[], None] |
     return if_it_runs(fn)
 
 
-def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "sdpa_cudnn", "sdpa_flash"), rounds: int = 3,
+def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "autoflash-own", "sdpa_cudnn", "sdpa_flash"), rounds: int = 3,
                rep_ms: float = 100, memory: bool = False, progress=None) -> tuple[list[BenchRow], dict]:
     """Forward+backward timings (FLOPs counted as 3.5x forward) and, with memory=True, the peak
     memory each method allocates above its inputs, per shape label (bytes)."""

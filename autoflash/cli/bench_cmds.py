@@ -52,7 +52,7 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, j
     with console.status("benchmarking forward+backward") as status:
         rows, peaks = bench_mod.run_fwdbwd(shape_list, rounds=rounds, memory=memory,
                                            progress=lambda label: status.update(f"benchmarking {label}"))
-    methods = ["autoflash", "sdpa_cudnn", "sdpa_flash"]
+    methods = ["autoflash", "autoflash-own", "sdpa_cudnn", "sdpa_flash"]
     title = f"forward+backward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
     console.print(bench_mod.rich_table(rows, methods, title))
     if memory:
@@ -72,8 +72,9 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
     from autoflash.space import default_variant
 
     disp = get_dispatcher()
-    choosers = {
+    choosers = {  # dispatched (a vendor kernel where one won), own kernels only, built-in default
         "autoflash": lambda s: disp.variant_for(s.problem, device),
+        "autoflash-own": lambda s: disp.variant_for(s.problem, device, own_only=True),
         "default": lambda s: default_variant(op, s.problem, device),
     }
     templates = None
@@ -85,7 +86,7 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
                                    progress=lambda label: status.update(f"benchmarking {label}"), templates=templates)
     methods = list(choosers) + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
     base = "baseline" if baseline_template else "default" if interpret else "sdpa_cudnn"
-    title = (f"{'forward' if op == 'fwd' else 'backward'} TFLOP/s on {device.name}, torch {device.torch_version}, "
+    title = (f"{'forward' if op == 'fwd' else 'backward problems (forward + backward)'} TFLOP/s on {device.name}, torch {device.torch_version}, "
              f"triton {device.triton_version}")
     if interpret:
         title += " (interpreter wall clock: not GPU performance)"

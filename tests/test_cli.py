@@ -161,7 +161,7 @@ def test_bench_interpret_runs_the_pipeline(tmp_path):
     r = invoke("bench", "--interpret", "--rounds", "1", "--markdown", str(md), "--plot", str(tmp_path / "b.png"))
     assert r.exit_code == 0
     lines = md.read_text().splitlines()
-    assert lines[0].startswith("| shape | autoflash TFLOP/s | default TFLOP/s")
+    assert lines[0].startswith("| shape | autoflash TFLOP/s | autoflash-own TFLOP/s | default TFLOP/s")
     assert len(lines) == 2 + 4 + 1  # header, 4 tiny shapes, geomean
     assert (tmp_path / "b.png").stat().st_size > 1000
 
@@ -181,9 +181,10 @@ def test_bench_baseline_template_times_the_same_variant_from_another_template(tm
                "--markdown", str(md))
     assert r.exit_code == 0, r.output
     lines = md.read_text().splitlines()
-    assert lines[0] == ("| shape | autoflash TFLOP/s | default TFLOP/s | baseline TFLOP/s | autoflash/baseline "
-                        "| default/baseline |")
-    assert len(lines) == 2 + 4 + 1 and all(line.startswith("| bwd ") for line in lines[2:6])
+    assert lines[0] == ("| shape | autoflash TFLOP/s | autoflash-own TFLOP/s | default TFLOP/s | baseline TFLOP/s "
+                        "| autoflash/baseline | autoflash-own/baseline | default/baseline |")
+    # backward problems are timed as forward + backward, as the tuner times them
+    assert len(lines) == 2 + 4 + 1 and all(line.startswith("| fwdbwd ") for line in lines[2:6])
     rendered = [p.read_text() for p in pathlib.Path(os.environ["AUTOFLASH_KERNEL_CACHE"]).glob("triton_bwd_*.py")]
     assert any("baseline-marker" in text for text in rendered)  # really rendered from the other file
 
@@ -308,6 +309,6 @@ def test_bench_json_has_one_row_per_shape_and_implementation(tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads(out.read_text())
     shapes = {(x["batch"], x["heads_q"], x["seqlen_q"], x["head_dim"], x["causal"]) for x in rows}
-    assert len(rows) == 2 * len(shapes) and {x["impl"] for x in rows} == {"autoflash", "autoflash-default"}
+    assert len(rows) == 3 * len(shapes) and {x["impl"] for x in rows} == {"autoflash", "autoflash-own", "autoflash-default"}
     assert all(x["fwd_tflops"] is None or x["fwd_tflops"] > 0 for x in rows)
     assert {"dtype", "heads_kv", "seqlen_k", "gpu", "triton"} <= set(rows[0])

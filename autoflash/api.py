@@ -228,26 +228,27 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
         return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
     out = torch.empty_like(q)
     kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=own_only)
-    if kernel.vendor:
-        result = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
-    elif not _memoizable(q, scale):
+    memoize = _memoizable(q, scale)
+    if kernel.vendor:  # a vendor kernel won this problem: called as it is, now and next time
+        out = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+
+        def plan(q, k, v):
+            return kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+    elif memoize:
+        plan = _own_plan(kernel, q, k, v, out, sm_scale, causal, causal_offset)  # (runs this call)
+    else:
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         kernel.forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
-        return out
-    if _memoizable(q, scale):
-        plan = _plan(kernel, q, k, v, out, sm_scale, causal, causal_offset)
+    if memoize:
         if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
             inference_plans.clear()
         inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = plan
-    return result if kernel.vendor else out
+    return out
 
 
-def _plan(kernel, q, k, v, out, sm_scale: float, causal: bool, causal_offset: int):
-    """The plan of this call's signature: `plan(q, k, v) -> out` for the next calls. An own kernel
-    launches this call (into `out`) through its module once, leaving a direct launcher of the
-    compiled kernel; a vendor kernel (already called) is called as it is."""
-    if kernel.vendor:
-        return lambda q, k, v: kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+def _own_plan(kernel, q, k, v, out, sm_scale: float, causal: bool, causal_offset: int):
+    """Run this call into `out` and return the plan of its signature, `plan(q, k, v) -> out`: the
+    kernel launches through its module once, leaving a direct launcher of the compiled kernel."""
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     launch = kernel.bind_forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
     if launch is None:

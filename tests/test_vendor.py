@@ -114,6 +114,18 @@ def test_strict_mode_serves_a_vendor_winner_but_still_refuses_fallbacks(vendor_w
         autoflash.attention(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool), enable_gqa=True)
 
 
+def test_the_final_re_measure_times_vendor_candidates_as_candidates():
+    """A vendor family's method ('sdpa_fwd:{...}') is a candidate, not one of the SDPA yardstick
+    columns ('sdpa_cudnn'), in the interleaved re-measure of the winner pick."""
+    from autoflash.tuning.sandbox import remeasure
+
+    for op in ("fwd", "bwd"):
+        shape = Shape(**{**SHAPE.__dict__, "op": op})
+        methods = [f"sdpa_{op}:" + sdpa(op, "flash").json(), f"sdpa_{op}:" + sdpa(op, "math").json()]
+        samples = remeasure(methods, op, shape, 2, 1, "cpu")["samples"]
+        assert all(len(samples[m]) == 2 and all(x > 0 for x in samples[m]) for m in methods)
+
+
 def test_a_vendor_win_stores_the_best_own_candidate_beside_it(tmp_path):
     store = Store(tmp_path / "w.db")
     gpu_key = store.add_gpu(DEVICE)

@@ -22,7 +22,7 @@ from autoflash.reference import make_inputs
 from autoflash.space import Variant
 from autoflash.tuning.gate import check, gate_shapes
 from autoflash.reference import causal_offset_for
-from autoflash.tuning.timing import launch_callable, sdpa_callable, time_callable, time_variant
+from autoflash.tuning.timing import SDPA_BACKENDS, launch_callable, sdpa_callable, time_callable, time_variant
 
 
 @dataclasses.dataclass
@@ -108,6 +108,9 @@ def compile_variant(variant_json: str, family: str, shape: Shape, rep_ms: float,
     return Outcome("ok", seconds=time.perf_counter() - t0)
 
 
+SDPA_COLUMNS = tuple(f"sdpa_{b}" for b in SDPA_BACKENDS)  # torch SDPA, one backend forced: the yardstick
+
+
 def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: float, device_str: str) -> dict:
     """Interleaved re-measurement: each round times every method once. A method is
     'family:variant JSON' (or a bare variant JSON of the op's default family) or 'sdpa_cudnn' /
@@ -117,7 +120,7 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
     q, k, v = make_inputs(shape, device, seed=99)
     fns = {}
     for m in methods:
-        if m.startswith("sdpa_"):
+        if m in SDPA_COLUMNS:  # the yardstick columns ("sdpa_fwd:{...}" is a vendor family's candidate)
             if device.type == "cuda":
                 fns[m] = sdpa_callable(m[5:], shape, q, k, v, backward=(op == "bwd"))
             continue

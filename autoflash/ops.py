@@ -61,3 +61,27 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The same forward and backward as `attn_fwd`/`attn_bwd`, as a plain autograd.Function for
+    eager training: the custom op's per-call dispatch (schema checks, the op's autograd wrapper)
+    costs host time that shows whenever the kernels are short. torch.compile keeps the custom op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, causal: bool, causal_offset: int):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True).forward(q, k, v, out, lse, scale, causal,
+                                                                                  causal_offset)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.causal, ctx.causal_offset = scale, causal, causal_offset
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        get_dispatcher().kernel_for(q, k, v, grad_out, ctx.causal, op="bwd", own_only=True).backward(
+            q, k, v, out, lse, grad_out, dq, dk, dv, ctx.scale, ctx.causal, ctx.causal_offset)
+        return dq, dk, dv, None, None, None

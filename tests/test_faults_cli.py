@@ -47,6 +47,7 @@ def test_tune_shapes_that_do_not_exist_or_are_not_toml(tmp_path):
 
 @pytest.mark.parametrize("option,value", [("--budget", "0"), ("--budget", "-1"), ("--trials", "0"),
                                           ("--trials", "-5"), ("--workers", "-3"), ("--workers", "0"),
+                                          ("--compile-workers", "0"), ("--compile-workers", "-2"),
                                           ("--rep-ms", "-1"), ("--rep-ms", "0"), ("--ops", "fwd,xyz")])
 def test_tune_numbers_out_of_range(tmp_path, option, value):
     assert_usage_error(run("tune", "--interpret", "--db", tmp_path / "t.db", option, value), option)
@@ -161,10 +162,11 @@ def _assert_clean(r):
 
 
 @_settings
-@given(option=st.sampled_from(["--budget", "--trials", "--workers", "--rep-ms", "--seed", "--ops", "--dtype",
-                               "--shapes"]), value=_numbers)
+@given(option=st.sampled_from(["--budget", "--trials", "--workers", "--compile-workers", "--rep-ms", "--seed",
+                               "--ops", "--dtype", "--shapes"]), value=_numbers)
 def test_random_tune_arguments_never_trace_back(tmp_path, option, value):
-    with mock.patch("autoflash.tuning.tuner.tune", return_value=[]):  # validation only, no tuning
+    with mock.patch("autoflash.tuning.tuner.tune", return_value=[]), \
+            mock.patch("autoflash.tuning.workers.tune_workers", return_value=([], [])):  # validation only, no tuning
         r = CliRunner().invoke(cli, ["tune", "--interpret", "--db", str(tmp_path / "t.db"), option, value])
     _assert_clean(r)
 

@@ -40,6 +40,9 @@ class _RichReporter:
                 f"[green]{result.shape.label()}[/]: {result.tflops('tuned'):.1f} TFLOP/s "
                 f"(default {result.tflops('default'):.1f}) after {result.measured} trials, "
                 f"{result.failed} failed; winner {result.winner.short()}")
+        elif result.status == "picking_elsewhere":
+            self.progress.console.print(f"[yellow]{result.shape.label()}[/]: its winner is being picked by "
+                                        f"{result.picked_by} (a worker sharing the studies)")
         else:
             self.progress.console.print(f"[red]{result.shape.label()}[/]: {result.status}")
 
@@ -113,6 +116,11 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
                       f"measured candidates (fewest: {min(r.measured for r in short)}). Short searches miss good "
                       "variants: the same command with a larger --budget continues them (trials already in "
                       "the DB count).[/]")
+    elsewhere = [r for r in results if r.picked_by or r.status == "picking_elsewhere"]
+    if elsewhere:
+        console.print(f"{len(elsewhere)} of {len(results)} winners were picked by another worker or an earlier run "
+                      f"over the same trials ({', '.join(sorted({r.picked_by for r in elsewhere}))}): those of this "
+                      "host are in its DB, another host's in that host's DB (`autoflash db merge` gathers them).")
     counts = store.counts()
     console.print(f"DB {store.path}: {counts['winners']} winners, {counts['trials']} trials")
 
@@ -126,27 +134,37 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
 @click.option("--trials", type=click.IntRange(min=1), default=40, show_default=True, help="Measured candidates per problem.")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None,
               help="Results DB (default: $AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db).")
-@click.option("--workers", type=click.IntRange(min=1), default=None, help="Parallel compile processes (default: cores - 2, max 12).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Measuring processes, one per GPU, all on the same Optuna studies (default: one per visible "
+                   "GPU; 1 with --interpret).")
+@click.option("--compile-workers", type=click.IntRange(min=1), default=None,
+              help="Parallel compile processes per worker (default: (cores - 2) / workers, max 12).")
+@click.option("--storage", default=None, metavar="URL",
+              help="Where the Optuna studies live: a journal file (e.g. on a shared file system) or a database URL "
+                   "(postgresql://user@host/db) that workers on several hosts share (default: the journal beside "
+                   "the DB).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
 @click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=40, show_default=True,
               help="do_bench repetition time per candidate (ms).")
 @click.option("--interpret", is_flag=True,
               help="Run the whole pipeline on tiny shapes in Triton's CPU interpreter (no GPU; timings are not GPU performance).")
 @output_option("--markdown", "md_path", help="Also write the final table as Markdown.")
-def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, interpret, md_path):
+def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, storage, seed, rep_ms, interpret,
+         md_path):
     """Tune this GPU: search kernel variants per problem, store the winners.
 
     Every candidate is checked against a float64 reference before it is timed; failures
     (compile errors, wrong results, crashes, hangs) are recorded and the run goes on. Interrupt
-    it at any time: finished trials are stored and a re-run resumes.
+    it at any time: finished trials are stored and a re-run resumes. With several GPUs, one
+    worker per GPU; with --storage, workers on several hosts join the same studies.
 
     Example: autoflash tune --budget 15
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from autoflash.cli.common import open_store
     from autoflash.device import gpu_fingerprint
     from autoflash.tuning import tuner as tune_mod
+    from autoflash.tuning import workers as workers_mod
+    from autoflash.tuning.storage import describe, make_storage
 
     op_list = _parse_ops(ops)
     if interpret:
@@ -155,22 +173,63 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, seed, rep_ms, int
         require_gpu("autoflash tune", " Use --interpret to run the whole pipeline on tiny shapes in "
                     "Triton's CPU interpreter (correctness is real, timings are not GPU performance).")
     shape_list = _tune_shapes(op_list, shapes, dtype, interpret)
+    gpus = None if interpret else workers_mod.visible_gpus()
+    n = workers or (1 if interpret else max(1, len(gpus)))
+    if gpus is not None and n > max(1, len(gpus)):
+        raise click.BadParameter(f"{n} workers need {n} GPUs, {len(gpus)} visible: two measuring processes on one "
+                                 "GPU would disturb each other's timings", param_hint="'--workers'")
     options = tune_mod.TuneOptions(trials=trials, budget_s=budget * 60 if budget else None, seed=seed,
-                                   rep_ms=rep_ms, interpret=interpret)
-    if workers:
-        options.compile_workers = workers
+                                   rep_ms=rep_ms, interpret=interpret, storage=storage)
+    options.compile_workers = compile_workers or max(1, options.compile_workers // n)
     store = open_store(db_path, readonly=False)
+    make_storage(storage, store.path)  # a storage that cannot be used is said now, in one line
     device = gpu_fingerprint()
     console.print(f"tuning {len(tune_mod.representative_shapes(shape_list))} problems on [bold]{device.name}[/] "
-                  f"(torch {device.torch_version}, triton {device.triton_version}) -> {store.path}")
+                  f"(torch {device.torch_version}, triton {device.triton_version}) -> {store.path}"
+                  + (f" with {n} workers" if n > 1 else "") + f"; studies: {describe(storage, store.path)}")
     if interpret:
         console.print("[yellow]interpreter mode: kernels run on the CPU; correctness is real, timings are not "
                       "GPU performance. A CUDA GPU is needed for real tuning.[/]")
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=console, transient=False) as progress:
-        results = tune_mod.tune(shape_list, store, options, reporter=_RichReporter(progress),
-                                command=" ".join(["autoflash", *sys.argv[1:]]))
+    command = " ".join(["autoflash", *sys.argv[1:]])
+    if n == 1:
+        results = _tune_one(tune_mod, shape_list, store, options, command)
+    else:
+        results = _tune_many(workers_mod, shape_list, store, options, n, gpus, command)
     _report(results, store, op_list, device, interpret, md_path, trials)
+
+
+def _tune_one(tune_mod, shape_list, store, options, command):
+    """One worker, in this process, with progress bars."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from autoflash.tuning.gpulock import GPUBusyError
+
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    try:
+        with Progress(*columns, console=console, transient=False) as progress:
+            return tune_mod.tune(shape_list, store, options, reporter=_RichReporter(progress), command=command)
+    except GPUBusyError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _tune_many(workers_mod, shape_list, store, options, n, gpus, command):
+    """n worker processes; a line per winner as each is picked, a line per worker that failed."""
+    def said(kind, worker, result):
+        if kind != "problem" or result.picked_by or result.status == "picking_elsewhere":
+            return
+        if result.winner is not None:
+            console.print(f"worker {worker}: [green]{result.shape.label()}[/]: {result.tflops('tuned'):.1f} TFLOP/s "
+                          f"(default {result.tflops('default'):.1f}); winner {result.winner.short()}")
+        else:
+            console.print(f"worker {worker}: [red]{result.shape.label()}[/]: {result.status}")
+
+    results, failures = workers_mod.tune_workers(shape_list, store.path, options, n, gpus=gpus, command=command,
+                                                 on_event=said)
+    for line in failures:
+        console.print(f"[yellow]{line}[/]")
+    if len(failures) == n:
+        raise click.ClickException(f"all {n} workers failed (first: {failures[0]})")
+    return results
 
 
 @click.command("search-quality")

@@ -90,7 +90,13 @@ def clear_stale_journal_lock(lock_file: str, grace_s: float = JOURNAL_LOCK_GRACE
 
 def journal_backend(db_path) -> "optuna.storages.journal.JournalFileBackend":
     """Optuna's journal beside the DB, with a stale lock (a killed run's) cleared before opening."""
-    path = f"{db_path}.optuna.journal"  # (tuner.optuna_storage_path)
+    return journal_file_backend(f"{db_path}.optuna.journal")  # (tuner.optuna_storage_path)
+
+
+def journal_file_backend(path) -> "optuna.storages.journal.JournalFileBackend":
+    """An Optuna journal file anywhere (`autoflash tune --storage FILE`, e.g. on a shared file
+    system), with a stale lock cleared before opening."""
+    path = str(path)
     lock = JournalPidLock(path)
     clear_stale_journal_lock(lock.lock_file, lock.grace_s)
     return optuna.storages.journal.JournalFileBackend(path, lock_obj=lock)

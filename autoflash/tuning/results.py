@@ -28,9 +28,15 @@ class TuneOptions:
     interpret: bool = False
     # The budget's clock (injectable: tests of the budget must not depend on this machine's speed).
     clock: Callable[[], float] = time.monotonic
-    # Test hooks: picklable top-level functions with sandbox.evaluate_variant's signature.
+    # The Optuna storage of the studies: None (the journal beside the results DB), a journal file
+    # path, or a database URL (postgresql://...): see autoflash.tuning.storage.
+    storage: str | None = None
+    worker: int = 0  # this worker's index among those started together: where its problem order starts
+    # Test hooks: picklable top-level functions with sandbox.evaluate_variant's signature
+    # (remeasure_fn: with sandbox.remeasure's).
     evaluate_fn: Callable | None = None
     compile_fn: Callable | None = None
+    remeasure_fn: Callable | None = None
 
 
 @dataclasses.dataclass
@@ -42,8 +48,9 @@ class ProblemResult:
     spread: float
     measured: int
     failed: int
-    status: str  # "tuned" | "no_valid_candidate" | "skipped"
+    status: str  # "tuned" | "no_valid_candidate" | "remeasure_failed" | "skipped" | "picking_elsewhere"
     cut_short: bool = False  # the time budget ended the search before its trial budget
+    picked_by: str = ""  # 'host pid' of the worker that picked the winner, when another one did
 
     def tflops(self, method: str) -> float:
         return tflops(self.shape, self.ms.get(method, float("nan")))

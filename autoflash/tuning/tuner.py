@@ -7,7 +7,8 @@ Per problem (a shape set entry's bucket), for each kernel family of its op (tria
   3. compile the batch in worker processes while one worker owns the GPU and gates + times each
      candidate (claimed in the DB first, so concurrent tuners share work); failures are recorded;
 then re-measure the best of all families interleaved with the default and SDPA; the lowest median
-wins. Everything is in SQLite as it happens (and Optuna's journal beside it): a killed run resumes.
+wins. Everything is in SQLite as it happens (the studies in Optuna's journal beside it, or in
+--storage: autoflash.tuning.storage): a killed run resumes. `tune` runs a `shared.SharedTuner`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from autoflash.problem import Shape
 from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning import sandbox
-from autoflash.tuning.journal import journal_backend
+from autoflash.tuning.storage import make_storage
 from autoflash.tuning.sandbox import Outcome, Sandbox
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions, median
 from autoflash.tuning.results import spread as spread_of
@@ -62,7 +63,7 @@ class Tuner:
         self.run_id = store.start_run(self.gpu_key, command)
         self.sandbox = Sandbox(self.device_str, env)
         self.compilers = None if options.interpret else sandbox.WorkerPool(options.compile_workers, self.device_str, env)
-        self.journal = optuna.storages.JournalStorage(journal_backend(store.path))
+        self.journal = make_storage(options.storage, store.path)  # (--storage; default: the journal beside the DB)
         self.total_measured = 0
         # Workers start before the first problem's clock (start-up is not charged to one problem;
         # `tune` charges it to the run's budget, which it then splits over the problems).
@@ -271,8 +272,8 @@ class Tuner:
         methods = list(dict.fromkeys(top + ([default_key] if default_key in ok else [])))
         if not self.opt.interpret:
             methods += ["sdpa_cudnn", "sdpa_flash"]
-        result = self.sandbox.call(sandbox.remeasure, (methods, problem.op, shape, self.opt.rounds,
-                                                       self.opt.rep_ms, self.device_str), self.opt.trial_timeout_s)
+        result = self.sandbox.call(self.opt.remeasure_fn or sandbox.remeasure, (
+            methods, problem.op, shape, self.opt.rounds, self.opt.rep_ms, self.device_str), self.opt.trial_timeout_s)
         samples = {} if isinstance(result, Outcome) else result["samples"]
         medians = {m: median(samples.get(m, [])) for m in methods}
         finite = [m for m in top if math.isfinite(medians[m]) and medians[m] > 0]
@@ -370,27 +371,8 @@ def representative_shapes(shapes: list[Shape]) -> list[Shape]:
 
 def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Reporter | None = None,
          command: str = "") -> list[ProblemResult]:
-    """Tune every problem of `shapes`; returns one result per problem. Safe to interrupt and re-run."""
-    reporter = reporter or Reporter()
-    start = options.clock()  # the budget covers the whole run, the workers' start-up included
-    tuner = Tuner(store, options, reporter=reporter, command=command)
-    todo = representative_shapes(shapes)
-    results: list[ProblemResult] = []
-    status = "interrupted"
-    try:
-        for i, shape in enumerate(todo):
-            deadline = None
-            if options.budget_s is not None:
-                left = options.budget_s - (options.clock() - start)
-                if left <= 0:
-                    results.append(ProblemResult(shape, shape.problem, None, {}, math.nan, 0, 0, "skipped", True))
-                    continue
-                deadline = options.clock() + left / (len(todo) - i)
-            reporter.problem_started(i, len(todo), shape)
-            result = tuner.tune_problem(shape, deadline)
-            results.append(result)
-            reporter.problem_done(result)
-        status = "finished"
-    finally:
-        tuner.close(status, len(results))
-    return results
+    """Tune every problem of `shapes` in this process (one worker: `workers.tune_here`; several:
+    `workers.tune_workers`); returns one result per problem. Safe to interrupt and re-run."""
+    from autoflash.tuning.workers import tune_here
+
+    return tune_here(shapes, store, options, reporter=reporter, command=command)

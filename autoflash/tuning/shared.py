@@ -30,7 +30,7 @@ from autoflash import codegen
 from autoflash.space import families_for, load_space
 from autoflash.tuning.picks import claim_pick, digest
 from autoflash.tuning.results import ProblemResult
-from autoflash.tuning.storage import OWNER_ATTR, STATUS_ATTR, Liveness, grace_s, pid_alive
+from autoflash.tuning.storage import MEASURING_ATTR, OWNER_ATTR, STATUS_ATTR, Liveness, grace_s, pid_alive
 from autoflash.tuning.tuner import Tuner
 
 log = logging.getLogger("autoflash.tuning")
@@ -159,6 +159,7 @@ class SharedTuner(Tuner):
                 return None, None
             if "failed_trial" in self.journal.get_trial_system_attrs(trial._trial_id):
                 self._free_dead_claims()  # a dead worker's trial: free its claim first
+            trial.set_user_attr(MEASURING_ATTR, True)
         row, outcome = super()._measure(variant, compiled, shape, thash)
         if trial is not None and row is not None:
             trial.set_user_attr(STATUS_ATTR, outcome.status)
@@ -212,7 +213,7 @@ class SharedTuner(Tuner):
                 self._reap(study)
                 self._measure_retries(shape, study, load_space(valid[0].family), thash, done)
                 trials_now = study.get_trials(deepcopy=False)
-                busy += len([t for t in trials_now if t.state == TrialState.RUNNING]) + len(_retried(trials_now))
+                busy += len([t for t in trials_now if t.state == TrialState.RUNNING]) + len(self._due(study))
                 busy += self.liveness.searchers(study._study_id)
             self._free_dead_claims()
             busy += self.store.db.execute(
@@ -223,10 +224,18 @@ class SharedTuner(Tuner):
             log.debug("%s: waiting for %d trials or searches of other workers", problem.key, busy)
             time.sleep(0.25)
 
+    def _due(self, study) -> list:
+        """The trials of dead workers queued again that are still to be measured: those that died
+        being measured, and the others while the study's budget has room."""
+        trials = study.get_trials(deepcopy=False)
+        retries = _retried(trials)
+        room = self._budgets.get(study.study_name, 0) - len(_taken(trials))
+        owed = [t for t in retries if t.system_attrs.get("owed")]
+        return owed + [t for t in retries if not t.system_attrs.get("owed")][:max(0, room)]
+
     def _measure_retries(self, shape, study, space, thash: str, done: dict) -> None:
-        """Measure the trials of dead workers queued again (whatever the budget says: they were
-        counted in it when they were asked)."""
-        batch = self._pop(study, space, _retried(study.get_trials(deepcopy=False)), MAX_RETRIES_AT_ONCE)
+        """Measure the trials of dead workers queued again that are due (`_due`)."""
+        batch = self._pop(study, space, self._due(study), MAX_RETRIES_AT_ONCE)
         if not batch:
             return
         for trial, _ in batch:

@@ -35,6 +35,7 @@ log = logging.getLogger("autoflash.tuning")
 OWNER_ATTR = "worker"  # 'host pid' of the worker measuring a trial
 BEAT_ATTR = "beat"  # journal storages: time.time() of the trial's last heartbeat
 STATUS_ATTR = "status"  # the outcome of a trial some worker measured (ok, wrong, timeout, ...)
+MEASURING_ATTR = "measuring"  # set when a worker starts measuring a trial (not only asked for it)
 MAX_RETRIES = 3  # a trial whose workers keep dying is given up after this many retries
 
 
@@ -159,8 +160,12 @@ def retry_trial(study, trial) -> None:
     history = list(trial.system_attrs.get("retry_history", [])) + [trial.number]
     if not trial.params or len(history) > MAX_RETRIES:
         return
-    user_attrs = {k: v for k, v in trial.user_attrs.items() if k not in (OWNER_ATTR, BEAT_ATTR, STATUS_ATTR)}
-    system_attrs = {**trial.system_attrs, "failed_trial": history[0], "retry_history": history}
+    user_attrs = {k: v for k, v in trial.user_attrs.items()
+                  if k not in (OWNER_ATTR, BEAT_ATTR, STATUS_ATTR, MEASURING_ATTR)}
+    # 'owed': its worker died measuring it (not only holding it, asked for, in its next batch):
+    # it is measured again whatever the budget says.
+    system_attrs = {**trial.system_attrs, "failed_trial": history[0], "retry_history": history,
+                    "owed": bool(trial.user_attrs.get(MEASURING_ATTR) or trial.system_attrs.get("owed"))}
     study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, params=trial.params,
                                               distributions=trial.distributions, user_attrs=user_attrs,
                                               system_attrs=system_attrs))

@@ -307,7 +307,8 @@ def tune_in_child_process(shape: Shape) -> None:
         shapes = os.path.join(tmp, "shape.toml")
         record_shape(shapes, shape)  # the same shape-set format AUTOFLASH_RECORD writes
         command = [sys.executable, "-m", "autoflash", "tune", "--ops", shape.op, "--shapes", shapes,
-                   "--trials", str(trials), "--budget", str(budget_min)]
+                   "--trials", str(trials), "--budget", str(budget_min),
+                   "--workers", "1"]  # one shape: one measuring process, whatever GPUs the machine has
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             command.append("--interpret")
         done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,

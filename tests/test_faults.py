@@ -397,7 +397,8 @@ def craft_trials(store, device, problem, thash, variants: list[str]) -> None:
 @pytest.mark.interpreter
 def test_crafted_undeclared_trials_never_become_the_winner(tmp_path):
     from autoflash.space import load_space
-    from autoflash.tuning.tuner import TuneOptions, tune
+    from autoflash.tuning.tuner import TuneOptions
+    from autoflash.tuning.workers import tune
 
     shape, store, device, thash = tiny_tune_setup(tmp_path)
     craft_trials(store, device, shape.problem, thash, ['{"BLOCK_M":7,"EVIL":"yes"}', '{"BLOCK_M":64}'])
@@ -412,7 +413,8 @@ def test_crafted_undeclared_trials_never_become_the_winner(tmp_path):
 @pytest.mark.interpreter
 def test_a_failed_remeasure_keeps_the_stored_winner_and_stores_nothing(tmp_path):
     from autoflash.space import default_variant, load_space
-    from autoflash.tuning.tuner import TuneOptions, tune
+    from autoflash.tuning.tuner import TuneOptions
+    from autoflash.tuning.workers import tune
 
     shape, store, device, thash = tiny_tune_setup(tmp_path)
     problem = shape.problem
@@ -455,7 +457,8 @@ def _take_lock_and_die(code: str, journal: str) -> None:
 
 def test_a_journal_lock_left_by_kill_9_does_not_stall_the_next_tune(tmp_path):
     from autoflash.tuning.journal import JOURNAL_LOCK_GRACE_S
-    from autoflash.tuning.tuner import TuneOptions, optuna_storage_path, tune
+    from autoflash.tuning.tuner import TuneOptions, optuna_storage_path
+    from autoflash.tuning.workers import tune
 
     shape, store, device, thash = tiny_tune_setup(tmp_path)
     journal = optuna_storage_path(store.path)

@@ -118,7 +118,7 @@ def test_an_unusable_db_file_is_one_line(tmp_path):
 
 
 def test_ctrl_c_in_a_command_says_interrupted_and_exits_130(tmp_path):
-    with mock.patch("autoflash.tuning.tuner.tune", side_effect=KeyboardInterrupt):
+    with mock.patch("autoflash.tuning.workers.tune", side_effect=KeyboardInterrupt):
         r = run("tune", "--interpret", "--db", tmp_path / "t.db", "--trials", "1")
     assert r.exit_code == 130 and "interrupted" in r.output and "Aborted" not in r.output
 
@@ -165,7 +165,7 @@ def _assert_clean(r):
 @given(option=st.sampled_from(["--budget", "--trials", "--workers", "--compile-workers", "--rep-ms", "--seed",
                                "--ops", "--dtype", "--shapes"]), value=_numbers)
 def test_random_tune_arguments_never_trace_back(tmp_path, option, value):
-    with mock.patch("autoflash.tuning.tuner.tune", return_value=[]), \
+    with mock.patch("autoflash.tuning.workers.tune", return_value=[]), \
             mock.patch("autoflash.tuning.workers.tune_workers", return_value=([], [])):  # validation only, no tuning
         r = CliRunner().invoke(cli, ["tune", "--interpret", "--db", str(tmp_path / "t.db"), option, value])
     _assert_clean(r)

@@ -7,7 +7,7 @@ import pytest
 import sqlite_utils
 import torch
 
-from autoflash import codegen, store as store_mod
+from autoflash import codegen, store_migrations
 from autoflash.device import gpu_fingerprint
 from autoflash.dispatch import Dispatcher, WinnerTable
 from autoflash.problem import Problem, Shape, work_bucket
@@ -77,8 +77,8 @@ def _version_1_db(path, problem, v):
     db = sqlite_utils.Database(sqlite3.connect(str(path)))
     db["_migrations"].create({"name": str, "applied_at": str}, pk="name")
     db["_meta"].create({"key": str, "value": str}, pk="key")
-    store_mod._m001_initial(db)
-    store_mod._m002_run_process(db)
+    store_migrations._m001_initial(db)
+    store_migrations._m002_run_process(db)
     db["_migrations"].insert_all([{"name": n, "applied_at": "2026-11-30"} for n in ("001_initial", "002_run_process")])
     db["_meta"].insert({"key": "schema_version", "value": "1"})
     db["gpus"].insert(DEVICE.as_dict() | {"gpu_key": DEVICE.key})

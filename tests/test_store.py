@@ -43,7 +43,7 @@ def test_a_db_made_before_a_migration_gets_it_and_keeps_its_rows(tmp_path):
 
     import sqlite_utils
 
-    from autoflash.store import _m001_initial
+    from autoflash.store_migrations import _m001_initial
 
     path = tmp_path / "old.db"
     db = sqlite_utils.Database(sqlite3.connect(path))

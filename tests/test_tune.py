@@ -23,7 +23,8 @@ from autoflash.shapes import load_shape_set
 from autoflash.space import load_space
 from autoflash.store import Store
 from autoflash.tuning.search_quality import replay_search
-from autoflash.tuning.tuner import TuneOptions, tune
+from autoflash.tuning.tuner import TuneOptions
+from autoflash.tuning.workers import tune
 
 pytestmark = pytest.mark.interpreter
 

@@ -91,12 +91,12 @@ def det_remeasure(methods, op, shape, rounds, rep_ms, device_str):
 LAUNCH = """
 import dataclasses, sys
 import test_workers as hooks
-from autoflash.tuning import tuner, workers
+from autoflash.tuning import workers
 def hooked(options):
     return dataclasses.replace(options, evaluate_fn=hooks.det_evaluate, remeasure_fn=hooks.det_remeasure)
-many, one = workers.tune_workers, tuner.tune
+many, one = workers.tune_workers, workers.tune
 workers.tune_workers = lambda shapes, db, options, *a, **k: many(shapes, db, hooked(options), *a, **k)
-tuner.tune = lambda shapes, store, options, *a, **k: one(shapes, store, hooked(options), *a, **k)
+workers.tune = lambda shapes, store, options, *a, **k: one(shapes, store, hooked(options), *a, **k)
 from autoflash.cli import main
 sys.argv[0] = "autoflash"
 main()
@@ -275,7 +275,8 @@ def _sequential_winners(tmp_path, db, shapes) -> dict:
     """One tuner, in this process, over a copy of the same trials (and nothing new to measure)."""
     from autoflash.shapes import load_shape_set
     from autoflash.store import Store
-    from autoflash.tuning.tuner import TuneOptions, tune
+    from autoflash.tuning.tuner import TuneOptions
+    from autoflash.tuning.workers import tune
 
     copy = Store(tmp_path / "sequential.db")
     rows = [{k: v for k, v in row.items() if k not in ("id", "run_id")} for row in Store(db).db["trials"].rows]

@@ -192,13 +192,13 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
                       "GPU performance. A CUDA GPU is needed for real tuning.[/]")
     command = " ".join(["autoflash", *sys.argv[1:]])
     if n == 1:
-        results = _tune_one(tune_mod, shape_list, store, options, command)
+        results = _tune_one(workers_mod, shape_list, store, options, command)
     else:
         results = _tune_many(workers_mod, shape_list, store, options, n, gpus, command)
     _report(results, store, op_list, device, interpret, md_path, trials)
 
 
-def _tune_one(tune_mod, shape_list, store, options, command):
+def _tune_one(workers_mod, shape_list, store, options, command):
     """One worker, in this process, with progress bars."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -207,7 +207,7 @@ def _tune_one(tune_mod, shape_list, store, options, command):
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     try:
         with Progress(*columns, console=console, transient=False) as progress:
-            return tune_mod.tune(shape_list, store, options, reporter=_RichReporter(progress), command=command)
+            return workers_mod.tune(shape_list, store, options, reporter=_RichReporter(progress), command=command)
     except GPUBusyError as e:
         raise click.ClickException(str(e)) from None
 

@@ -8,7 +8,7 @@ Per problem (a shape set entry's bucket), for each kernel family of its op (tria
      candidate (claimed in the DB first, so concurrent tuners share work); failures are recorded;
 then re-measure the best of all families interleaved with the default and SDPA; the lowest median
 wins. Everything is in SQLite as it happens (the studies in Optuna's journal beside it, or in
---storage: autoflash.tuning.storage): a killed run resumes. `tune` runs a `shared.SharedTuner`.
+--storage: autoflash.tuning.storage): a killed run resumes. A run (`workers.tune`, `workers.tune_workers`) drives a `shared.SharedTuner`.
 """
 
 from __future__ import annotations
@@ -368,11 +368,3 @@ def representative_shapes(shapes: list[Shape]) -> list[Shape]:
             out.append(s)
     return out
 
-
-def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Reporter | None = None,
-         command: str = "") -> list[ProblemResult]:
-    """Tune every problem of `shapes` in this process (one worker: `workers.tune_here`; several:
-    `workers.tune_workers`); returns one result per problem. Safe to interrupt and re-run."""
-    from autoflash.tuning.workers import tune_here
-
-    return tune_here(shapes, store, options, reporter=reporter, command=command)

@@ -35,7 +35,7 @@ from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 FAILED = ("wrong", "compile_error", "runtime_error", "timeout", "crashed")
 
 
-def tune_here(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Reporter | None = None,
+def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Reporter | None = None,
               command: str = "") -> list[ProblemResult]:
     """One worker, in this process: holds this GPU's lock (not in the interpreter), tunes every
     problem starting at problem `options.worker`; one result per problem, in the given order."""
@@ -93,7 +93,7 @@ class _QueueReporter(Reporter):
 
 
 def _worker_main(worker: int, shapes: list[Shape], db_path: str, options: TuneOptions, command: str, events) -> None:
-    """A worker process's body: `tune_here` on its own connection to the results DB."""
+    """A worker process's body: `tune` on its own connection to the results DB."""
     if os.environ.get("AUTOFLASH_LOG"):  # e.g. AUTOFLASH_LOG=debug: what the workers coordinate
         import logging
 
@@ -103,7 +103,7 @@ def _worker_main(worker: int, shapes: list[Shape], db_path: str, options: TuneOp
         store = Store(db_path)
         from autoflash.device import gpu_fingerprint
 
-        results = tune_here(shapes, store, options, reporter=_QueueReporter(events, worker), command=command)
+        results = tune(shapes, store, options, reporter=_QueueReporter(events, worker), command=command)
         events.put(("done", worker, (gpu_fingerprint().key, results)))
     except KeyboardInterrupt:
         events.put(("error", worker, "interrupted"))

@@ -1,6 +1,7 @@
 """CLI commands through click's CliRunner (and one real subprocess for `python -m autoflash`)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -312,3 +313,18 @@ def test_bench_json_has_one_row_per_shape_and_implementation(tmp_path):
     assert len(rows) == 3 * len(shapes) and {x["impl"] for x in rows} == {"autoflash", "autoflash-own", "autoflash-default"}
     assert all(x["fwd_tflops"] is None or x["fwd_tflops"] > 0 for x in rows)
     assert {"dtype", "heads_kv", "seqlen_k", "gpu", "triton"} <= set(rows[0])
+
+
+@pytest.mark.interpreter
+def test_bench_decode_from_a_shell_without_the_interpreter_set(tmp_path):
+    """`autoflash bench --interpret --op decode` as a user types it (TRITON_INTERPRET unset: Triton
+    is imported before the option is read, so the command starts again with it on): every
+    implementation is checked against float32 SDPA, then timed; paged caches beside contiguous."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "decode.json"
+    done = subprocess.run([sys.executable, "-m", "autoflash", "bench", "--interpret", "--op", "decode", "--rounds", "1",
+                           "--json", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {r["impl"] for r in rows} == {"autoflash", "autoflash-paged16"}
+    assert all(r["err"] < 1e-5 and r["ms"] > 0 and r["tb_s"] > 0 and not r["note"] for r in rows)

@@ -67,6 +67,45 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, j
     _save(bench_mod, rows, methods, title, md_path, plot_path, json_path=json_path, metric="fwdbwd_tflops")
 
 
+def _decode(device, rounds, interpret, md_path, json_path):
+    import json
+
+    from autoflash import bench_decode
+
+    cases = bench_decode.INTERPRETER_CASES if interpret else bench_decode.GPU_CASES
+    with console.status("benchmarking decode") as status:
+        rows = bench_decode.run_decode(cases, rounds=rounds, device="cpu" if interpret else "cuda",
+                                       progress=lambda label: status.update(f"benchmarking {label}"))
+    title = f"decode, TB/s of K and V read, on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
+    if interpret:
+        title += " (interpreter wall clock: not GPU performance)"
+    head = ["case", "impl", "us", "TB/s", "/ sdpa_cudnn", "rel. err", "note"]
+    lines = []
+    for r in rows:
+        label = f"{r['dtype']} B{r['batch']} H{r['heads_q']}/{r['heads_kv']} KV{r['kv_len']} d{r['head_dim']}"
+        base = next((x["tb_s"] for x in rows if x["impl"] == "sdpa_cudnn" and x["batch"] == r["batch"]
+                     and x["kv_len"] == r["kv_len"] and x["tb_s"]), None)
+        lines.append([label, r["impl"], f"{r['ms'] * 1e3:.1f}" if r["ms"] else "-",
+                      f"{r['tb_s']:.2f}" if r["tb_s"] else "-",
+                      f"{r['tb_s'] / base:.2f}" if r["tb_s"] and base else "-",
+                      f"{r['err']:.1e}" if r["err"] is not None else "-", r["note"]])
+    t = Table(title=title)
+    for col in head:
+        t.add_column(col)
+    for line in lines:
+        t.add_row(*line)
+    console.print(t)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write("\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                              + ["| " + " | ".join(line) + " |" for line in lines]) + "\n")
+    if json_path:
+        meta = {"gpu": device.name, "torch": device.torch_version, "triton": device.triton_version}
+        with open(json_path, "w") as f:
+            json.dump([{**r, **meta} for r in rows], f, indent=1)
+        console.print(f"rows saved to {json_path}")
+
+
 def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path, json_path):
     from autoflash.dispatch import get_dispatcher
     from autoflash.space import default_variant
@@ -109,8 +148,9 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
 @click.option("--overhead", is_flag=True, help="Per-call host overhead of autoflash.attention vs a bare kernel launch.")
 @click.option("--llama", is_flag=True,
               help="A small random-weight Llama (transformers) with 'sdpa' vs autoflash's attention: ms per step.")
-@click.option("--op", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True,
-              help="Time the forward or the backward kernels (without --fwdbwd/--overhead/--llama).")
+@click.option("--op", type=click.Choice(["fwd", "bwd", "decode"]), default="fwd", show_default=True,
+              help="Time the forward or the backward kernels (without --fwdbwd/--overhead/--llama), or decode "
+                   "(flash_attn_with_kvcache, one query token, contiguous and paged caches; TB/s of K and V).")
 @click.option("--baseline-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Also time each shape's variant rendered from this template file (e.g. the previous "
                    "version of the op's template), as method 'baseline': an A/B of a template edit. A knob "
@@ -141,6 +181,8 @@ def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhea
         return _overhead(bench_mod, device)
     if llama:
         return _llama(bench_mod, device, rounds)
+    if op == "decode":
+        return _decode(device, rounds, interpret, md_path, json_path)
     shape_list = load_shapes(shapes, op)
     if fwdbwd:
         return _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, json_path)

@@ -129,8 +129,19 @@ def load_shapes(value: str, op: str = "fwd", param_hint: str = "'--shapes'"):
 def use_interpreter() -> None:
     """Run kernels in Triton's CPU interpreter from here on (set before any kernel module loads);
     the GPU fingerprint becomes the interpreter's."""
+    import sys
+
     from autoflash.device import gpu_fingerprint
 
+    program = os.path.basename(sys.argv[0]) in ("autoflash", "__main__.py")  # not a host program (tests)
+    if program and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and "triton" in sys.modules:
+        # Triton compiles or interprets its own library functions (tl.max's combine, ...) when it is
+        # imported, which this process already did: start again with the interpreter on from the
+        # beginning, same command (a kernel run now would fail inside the interpreter).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "autoflash", *sys.argv[1:]],
+                  {**os.environ, "TRITON_INTERPRET": "1"})
     os.environ["TRITON_INTERPRET"] = "1"
     gpu_fingerprint.cache_clear()
 

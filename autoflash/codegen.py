@@ -224,6 +224,19 @@ def load(variant: Variant, template_file: str | os.PathLike | None = None) -> "K
         return kernel
 
 
+@contextlib.contextmanager
+def interpreter_off():
+    """Import and compile kernels for the GPU while TRITON_INTERPRET is set (Gluon kernels never
+    run in Triton's interpreter: with it set, the code generator treats their nested @gluon.jit
+    helpers as interpreted functions and refuses them). Compiling for sm90 works on a CPU."""
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
+
+
 # --------------------------------------------------------------------------- the typed wrapper
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """TMA descriptors need a unit last stride and 16-byte aligned base and strides."""

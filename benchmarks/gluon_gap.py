@@ -30,7 +30,6 @@ Usage (repo root on the package path):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -292,16 +291,6 @@ def work_dir() -> Path:
     return d
 
 
-@contextlib.contextmanager
-def _compiled_mode():
-    old = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        yield
-    finally:
-        if old is not None:
-            os.environ["TRITON_INTERPRET"] = old
-
-
 _MODULES: dict = {}
 
 
@@ -315,7 +304,9 @@ def load_source(src: str):
         path.write_text(src)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    with _compiled_mode():
+    from autoflash import codegen
+
+    with codegen.interpreter_off():
         spec.loader.exec_module(module)
     _MODULES[name] = module
     return module
@@ -412,7 +403,9 @@ def compile_sm90(module, D, causal):
     fn = module._attn_fwd_sm90
     values = iter(args)
     signature = {n: "constexpr" if n in constexprs else mangle_type(next(values)) for n in fn.arg_names}
-    with _compiled_mode():
+    from autoflash import codegen
+
+    with codegen.interpreter_off():
         return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                               options=options)
 

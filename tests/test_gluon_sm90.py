@@ -6,7 +6,6 @@ float64 reference on ragged lengths, Nq != Nk with both causal alignments, GQA, 
 strided inputs, LSE, and rows that see no key.
 """
 
-import contextlib
 import hashlib
 import importlib.util
 import math
@@ -18,6 +17,8 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 jinja2 = pytest.importorskip("jinja2")
+
+from autoflash import codegen  # noqa: E402
 
 import triton  # noqa: E402
 
@@ -44,21 +45,6 @@ def knobs(**over):
     return out
 
 
-@contextlib.contextmanager
-def _compiled_mode():
-    """Gluon kernels never run in Triton's interpreter: import and compile them with it off.
-
-    tests/conftest.py sets TRITON_INTERPRET=1 on machines without a GPU; with it set, the code
-    generator treats the nested @gluon.jit helpers as interpreted functions and refuses them.
-    """
-    old = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        yield
-    finally:
-        if old is not None:
-            os.environ["TRITON_INTERPRET"] = old
-
-
 def render_module(knob_values, folder):
     """Render the template (StrictUndefined) to a real .py file and import it (@jit reads source)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
@@ -70,7 +56,7 @@ def render_module(knob_values, folder):
         path.write_text(source)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    with _compiled_mode():
+    with codegen.interpreter_off():
         spec.loader.exec_module(module)
     return module
 
@@ -123,7 +109,7 @@ def compile_for_sm90(module, head_dim, dtype, causal):
     values = iter(args)
     signature = {name: "constexpr" if name in constexprs else mangle_type(next(values)) for name in fn.arg_names}
     assert next(values, None) is None, "launch passes more arguments than the kernel takes"
-    with _compiled_mode():
+    with codegen.interpreter_off():
         return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                               options=options)
 

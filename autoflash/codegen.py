@@ -315,8 +315,25 @@ class Kernel:
         kernel launches, profiler hooks): then launch with `forward`."""
         return bind_direct_launch(self, q, k, v, o, lse, sm_scale, causal, causal_offset)
 
+    def decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
+               sm_count: int = 1, num_splits: int | None = None, compile_only: bool = False):
+        """A decode-family launch: q, o (B, Q, H, D); caches (B, N, H_kv, D) or pages with block_table;
+        seqlens (B,) int32 keys per sequence; lse (B, H, Q) float32. Returns the KV splits used."""
+        if self.op != "decode":
+            raise TypeError(f"{self.family} is not a decode kernel family")
+        return self.module.launch(q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens, block_table,
+                                  sm_count=sm_count, num_splits=num_splits, compile_only=compile_only)
+
     def compile_for(self, q, k, v, causal: bool, causal_offset: int) -> None:
-        """Build (or fetch from Triton's cache) the binary for these argument types, no launch."""
+        """Build (or fetch from Triton's cache) the binary for these argument types, no launch.
+        q, k, v: (B, H, N, D) as the other ops take them (a decode kernel sees them as a query of
+        N_q tokens and a full contiguous cache)."""
+        if self.op == "decode":
+            qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
+            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+            seqlens = torch.full((q.shape[0],), k.shape[2], device=q.device, dtype=torch.int32)
+            self.decode(qd, kd, vd, torch.empty_like(qd), lse, 1.0, causal, seqlens, compile_only=True)
+            return
         if self.uses_tma:
             ensure_allocator()
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)

@@ -18,7 +18,6 @@ implementation with one `FallbackWarning` per reason (`AUTOFLASH_STRICT=1`: `Fal
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import warnings
@@ -27,11 +26,13 @@ import torch
 
 from autoflash import api, codegen
 from autoflash.api import FallbackError, FallbackWarning  # noqa: F401 (re-exported for callers)
-from autoflash.device import gpu_fingerprint, interpreter_enabled
-from autoflash.space import ELEM_BYTES, InvalidVariant, Variant, evaluate, load_space
+from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_count
+from autoflash.dispatch import get_dispatcher
+from autoflash.problem import Problem, dtype_name, seqlen_bucket, shape_work_bucket
+from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
+from autoflash.space import Variant, default_variant, load_space
 
 FAMILY = "triton_decode"
-INTERPRETER_SM_COUNT = 8  # a stand-in SM count in the interpreter, so that "auto" splits tiny problems
 
 
 # --------------------------------------------------------------------------- kernels
@@ -40,41 +41,19 @@ def decode_space():
     return load_space(FAMILY)
 
 
-def _names(dtype: torch.dtype, head_dim: int, group: int, q_len: int, seqlen_k: int, causal: bool) -> dict:
-    """The expression names of a decode problem (as space.device_names gives for fwd problems)."""
-    from autoflash.problem import seqlen_bucket
-
-    device = gpu_fingerprint()
-    block_d = 16
-    while block_d < head_dim:
-        block_d *= 2
-    return dict(head_dim=head_dim, BLOCK_D=block_d, elem_bytes=ELEM_BYTES.get(str(dtype).replace("torch.", ""), 4),
-                causal=causal, gqa_group=group, seqlen_q=seqlen_bucket(q_len), seqlen_k=seqlen_bucket(seqlen_k),
-                cc_major=device.cc_major, cc_minor=device.cc_minor, smem_limit=device.smem_per_block)
+def decode_problem(dtype: torch.dtype, head_dim: int, batch: int, kv_heads: int, group: int, q_len: int,
+                   capacity: int, causal: bool, sm_count: int) -> Problem:
+    """The tuning and dispatch key of a decode call (the cache's capacity is its length bucket)."""
+    return Problem(op="decode", dtype=dtype_name(dtype), head_dim=head_dim, causal=causal, gqa_group=group,
+                   seqlen_q=seqlen_bucket(q_len), seqlen_k=seqlen_bucket(max(capacity, 1)),
+                   work=shape_work_bucket("decode", batch, kv_heads * group, kv_heads, q_len, capacity, sm_count))
 
 
-def _violations(space, knobs: dict, names: dict) -> list:
-    ns = dict(names, **knobs)
-    for name, expr in space.derived.items():
-        ns[name] = evaluate(expr, ns)
-    return [c for c in space.constraints if not evaluate(c.rule, ns)]
-
-
-@functools.lru_cache(maxsize=256)
 def default_knobs(dtype: torch.dtype, head_dim: int, group: int, q_len: int, seqlen_k: int, causal: bool) -> tuple:
-    """The space's [[defaults]] for this problem, made valid by the nearest-valid rule (fewest knobs
-    changed), as sorted (knob, value) items. Until decode problems are tuned this is what runs."""
-    space, names = decode_space(), _names(dtype, head_dim, group, q_len, seqlen_k, causal)
-    knobs: dict = {}
-    for when, values, _measured in space.defaults:
-        if evaluate(when, names):
-            knobs.update(values)
-    if _violations(space, knobs, names):
-        valid = [v.as_dict() for v in space.all_variants() if not _violations(space, v.as_dict(), names)]
-        if not valid:
-            raise InvalidVariant(f"the {FAMILY} search space has no valid variant for this problem")
-        knobs = min(valid, key=lambda v: (sum(v[k] != knobs.get(k) for k in v), sorted(v.items(), key=str)))
-    return tuple(sorted(knobs.items()))
+    """The space's [[defaults]] for this problem made valid here (fewest knobs changed), as sorted
+    (knob, value) items: what runs where no tuned winner applies."""
+    problem = decode_problem(dtype, head_dim, 1, 1, group, q_len, seqlen_k, causal, 1)
+    return tuple(sorted(default_variant("decode", problem, gpu_fingerprint()).as_dict().items()))
 
 
 def load_kernel(knobs: dict):
@@ -82,11 +61,17 @@ def load_kernel(knobs: dict):
     return codegen.load(Variant.of(FAMILY, knobs))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return INTERPRETER_SM_COUNT
+def _served_knobs(q, k_cache, capacity: int, causal: bool, variant) -> dict:
+    """The tuned winner of this call's decode problem (exact or nearest bucket), else the default;
+    a caller's `variant` overrides knobs (checked against the space)."""
+    batch, q_len, heads, head_dim = q.shape
+    device = gpu_fingerprint(q.device.index if q.is_cuda else None)
+    problem = decode_problem(q.dtype, head_dim, batch, k_cache.shape[2], heads // k_cache.shape[2], q_len,
+                             capacity, causal, device.sm_count)
+    knobs = get_dispatcher().serving_variant(problem, device).as_dict()
+    if variant:
+        knobs = decode_space().check_declared({**knobs, **variant}).as_dict()
+    return knobs
 
 
 # --------------------------------------------------------------------------- fallback
@@ -113,34 +98,6 @@ def _unsupported_reason(q: torch.Tensor) -> str | None:
     if d > api.MAX_HEAD_DIM or d % 8:
         return f"head dim {d} is not supported (multiples of 8 up to {api.MAX_HEAD_DIM} are)"
     return None
-
-
-def torch_decode(q, k_cache, v_cache, seqlens, block_table, scale: float, causal: bool):
-    """The torch implementation (fallback and readable definition): (out (B, Q, H, D), lse (B, H, Q)
-    float32, +inf for rows with no key). seqlens: keys per sequence after any append."""
-    batch, q_len, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if block_table is not None:
-        page = k_cache.shape[1]
-        pos = torch.arange(page * block_table.shape[1], device=q.device)
-        pages = block_table[:, pos // page].long().clamp(0, k_cache.shape[0] - 1)  # unused entries: masked
-        k, v = k_cache[pages, pos % page], v_cache[pages, pos % page]
-    else:
-        k, v = k_cache, v_cache
-    qf = q.to(dtype).reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim)
-    s = torch.einsum("bqhgd,bnhd->bhgqn", qf, k.to(dtype)) * scale
-    j = torch.arange(k.shape[1], device=q.device)
-    length = seqlens.long().view(batch, 1, 1, 1, 1)
-    visible = j < length
-    if causal:
-        visible = visible & (j <= torch.arange(q_len, device=q.device)[:, None] + length - q_len)
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhgqn,bnhd->bqhgd", p, v.to(dtype)).reshape(batch, q_len, heads, head_dim)
-    lse = lse.masked_fill(lse == float("-inf"), float("inf")).reshape(batch, heads, q_len).float()
-    return out.to(q.dtype), lse
 
 
 # --------------------------------------------------------------------------- validation
@@ -313,11 +270,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         lse = torch.empty((batch, heads, q_len), device=q.device, dtype=torch.float32)
         if q.numel():
             capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-            knobs = dict(default_knobs(q.dtype, head_dim, heads // k_cache.shape[2], q_len, max(capacity, 1), causal))
-            if variant:
-                knobs.update(variant)
-            load_kernel(knobs).module.launch(q, k_cache, v_cache, out, lse, scale, causal, total, block_table,
-                                             sm_count=_sm_count(q.device), num_splits=num_splits or None)
+            knobs = _served_knobs(q, k_cache, capacity, causal, variant)
+            load_kernel(knobs).decode(q, k_cache, v_cache, out, lse, scale, causal, total, block_table,
+                                      sm_count=launch_sm_count(q.device), num_splits=num_splits or None)
     return (out, lse) if return_softmax_lse else out
 
 

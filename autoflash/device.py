@@ -41,6 +41,20 @@ class GPUFingerprint:
         return dataclasses.asdict(self)
 
 
+INTERPRETER_SM_COUNT = 8  # a stand-in SM count in the interpreter, so that split heuristics split tiny problems
+
+
+@functools.lru_cache(maxsize=None)
+def launch_sm_count(device) -> int:
+    """SMs a launcher sizes its grid for: the GPU's, or the interpreter's stand-in."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SM_COUNT
+
+
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -22,7 +22,7 @@ import torch
 from autoflash import codegen
 from autoflash.codegen import Kernel
 from autoflash.device import GPUFingerprint, gpu_fingerprint
-from autoflash.problem import Problem, Shape, dtype_name, seqlen_bucket, work_bucket
+from autoflash.problem import Problem, Shape, dtype_name, seqlen_bucket, shape_work_bucket
 from autoflash.space import InvalidVariant, Variant, default_variant, load_space
 
 MissHook = Callable[[Shape], None]
@@ -164,6 +164,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._told_untuned: set = set()
         self._tuned_on_miss: set = set()
+        self._served: dict = {}  # (problem, device key) -> variant, for callers that launch themselves (decode)
         self._recorded: set = set()  # AUTOFLASH_RECORD: shapes written already (the op is not part)
         self._record_failed: set = set()
 
@@ -172,6 +173,7 @@ class Dispatcher:
         with self._lock:
             self.kernels.clear()
             self._winners.clear()
+            self._served.clear()
 
     def winners(self, device: GPUFingerprint, device_index=None) -> WinnerTable:
         table = self._winners.get(device_index)
@@ -181,11 +183,10 @@ class Dispatcher:
 
     @staticmethod
     def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str, sm_count: int) -> Problem:
-        grid_len = k.shape[2] if op == "bwd" else q.shape[2]
         return Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                        gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(q.shape[2]),
                        seqlen_k=seqlen_bucket(k.shape[2]),
-                       work=work_bucket(q.shape[0], q.shape[1], grid_len, sm_count))
+                       work=shape_work_bucket(op, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], sm_count))
 
     def _tune_on_miss(self, problem: Problem, q, k) -> None:
         """AUTOFLASH_TUNE_ON_MISS=1: tune a problem with no exact winner the first time it is seen
@@ -223,6 +224,14 @@ class Dispatcher:
             log.info("autoflash: no tuned kernels for %s; using built-in defaults (run `autoflash tune`)",
                      device.name)
         return default_variant(problem.op, problem, device)
+
+    def serving_variant(self, problem: Problem, device: GPUFingerprint) -> Variant:
+        """`variant_for` remembered per problem (one dict lookup per call)."""
+        key = (problem, device.key)
+        variant = self._served.get(key)
+        if variant is None:
+            variant = self._served[key] = self.variant_for(problem, device)
+        return variant
 
     def kernel_for(self, q, k, v, o, causal: bool, op: str = "fwd", own_only: bool = False) -> Kernel:
         """The compiled kernel for these tensors. Hot path: one dict lookup keyed by exact shapes,

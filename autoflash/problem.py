@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 
-OPS = ("fwd", "bwd")
+OPS = ("fwd", "bwd", "decode")
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 SEQLEN_BUCKET_MIN = 16
@@ -52,11 +52,21 @@ def work_bucket(batch: int, heads_q: int, seqlen: int, sm_count: int) -> int:
     return min(WORK_MAX, max(WORK_MIN, round(math.log2(tiles / max(int(sm_count), 1)))))
 
 
+def shape_work_bucket(op: str, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int,
+                      sm_count: int) -> int:
+    """`work_bucket` of a call: the forward's grid runs over query tiles, the backward's KV-outer
+    kernel over key tiles, decode over (batch, KV head) programs (all query heads of a GQA group and
+    every new token in one program) before any KV split."""
+    if op == "decode":
+        return work_bucket(batch, heads_kv, 1, sm_count)
+    return work_bucket(batch, heads_q, seqlen_k if op == "bwd" else seqlen_q, sm_count)
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """One tuning/dispatch key. Shapes inside it are buckets, not exact sizes."""
 
-    op: str  # "fwd" (forward) or "bwd" (backward)
+    op: str  # "fwd" (forward), "bwd" (backward) or "decode" (a few query tokens against a KV cache)
     dtype: str  # one of DTYPES
     head_dim: int
     causal: bool
@@ -135,19 +145,19 @@ class Shape:
         return self.problem_on(gpu_fingerprint().sm_count)
 
     def problem_on(self, sm_count: int) -> Problem:
-        grid_len = self.seqlen_k if self.op == "bwd" else self.seqlen_q
         return Problem(op=self.op, dtype=self.dtype, head_dim=self.head_dim, causal=self.causal,
                        gqa_group=self.heads_q // self.heads_kv,
                        seqlen_q=seqlen_bucket(self.seqlen_q), seqlen_k=seqlen_bucket(self.seqlen_k),
-                       work=work_bucket(self.batch, self.heads_q, grid_len, sm_count))
+                       work=shape_work_bucket(self.op, self.batch, self.heads_q, self.heads_kv, self.seqlen_q,
+                                              self.seqlen_k, sm_count))
 
     def flops(self) -> float:
-        """Forward FLOPs 4*B*H*Nq*Nk*D (two matmuls), halved when causal; the backward counts
+        """Forward (and decode) FLOPs 4*B*H*Nq*Nk*D (two matmuls), halved when causal; the backward counts
         2.5x the forward (five matmuls), forward+backward 3.5x."""
         f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         if self.causal:
             f /= 2
-        return f * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[self.op]
+        return f * {"fwd": 1.0, "decode": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[self.op]
 
     def short_label(self) -> str:
         """Compact, for plot axes: 'd128 causal 4k' (dtype and batch left out)."""

@@ -120,3 +120,33 @@ def sdpa_backend(name: str):
 
     return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name.removeprefix("sdpa_")]
+
+
+def decode_reference(q, k_cache, v_cache, seqlens, block_table, scale: float, causal: bool):
+    """Decode attention in torch (the fallback of `flash_attn_with_kvcache`, and in float64 the
+    decode gate's reference): (out (B, Q, H, D), lse (B, H, Q) float32, +inf for rows with no key).
+    q (B, Q, H, D); caches (B, N, H_kv, D), or pages with a block table; seqlens: keys per sequence;
+    causal: bottom-right (query i sees keys j <= i + seqlen - Q)."""
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if block_table is not None:
+        page = k_cache.shape[1]
+        pos = torch.arange(page * block_table.shape[1], device=q.device)
+        pages = block_table[:, pos // page].long().clamp(0, k_cache.shape[0] - 1)  # unused entries: masked
+        k, v = k_cache[pages, pos % page], v_cache[pages, pos % page]
+    else:
+        k, v = k_cache, v_cache
+    qf = q.to(dtype).reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim)
+    s = torch.einsum("bqhgd,bnhd->bhgqn", qf, k.to(dtype)) * scale
+    j = torch.arange(k.shape[1], device=q.device)
+    length = seqlens.long().view(batch, 1, 1, 1, 1)
+    visible = j < length
+    if causal:
+        visible = visible & (j <= torch.arange(q_len, device=q.device)[:, None] + length - q_len)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhgqn,bnhd->bqhgd", p, v.to(dtype)).reshape(batch, q_len, heads, head_dim)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf")).reshape(batch, heads, q_len).float()
+    return out.to(q.dtype), lse

@@ -34,7 +34,7 @@ FAMILIES = {
 }
 # Each op's first family: where its built-in defaults come from, and what a bare op name means
 # (`load_space("fwd")`, stored variants written before families existed).
-DEFAULT_FAMILY = {"fwd": "triton_fwd", "bwd": "triton_bwd"}
+DEFAULT_FAMILY = {"fwd": "triton_fwd", "bwd": "triton_bwd", "decode": "triton_decode"}
 OPS = tuple(DEFAULT_FAMILY)
 
 

@@ -14,6 +14,8 @@ import torch
 from autoflash import api, decode
 from autoflash.api import FallbackError, FallbackWarning
 from autoflash.decode import flash_attn_varlen_func, flash_attn_with_kvcache
+from autoflash.device import gpu_fingerprint
+from autoflash.space import Variant
 
 RAGGED = (0, 1, 17, 61)
 
@@ -326,7 +328,8 @@ def test_space_parses_and_defaults_are_valid():
     for d in (64, 128, 256):
         for dtype in (torch.float16, torch.float32):
             knobs = dict(decode.default_knobs(dtype, d, 4, 1, 4096, False))
-            assert not decode._violations(space, knobs, decode._names(dtype, d, 4, 1, 4096, False))
+            problem = decode.decode_problem(dtype, d, 1, 1, 4, 1, 4096, False, 1)
+            assert not space.violations(Variant.of(decode.FAMILY, knobs), problem, gpu_fingerprint())
     assert all("measured" not in m or m for _w, _v, m in space.defaults)
 
 

@@ -15,7 +15,7 @@ from autoflash.problem import DTYPES, Problem, seqlen_bucket
 
 console = Console()
 MAX_HEAD_DIM = 256  # autoflash.api.MAX_HEAD_DIM (not imported: api imports torch)
-OPS = ("fwd", "bwd")
+OPS = ("fwd", "bwd", "decode")
 
 
 # --------------------------------------------------------------------------- errors

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from autoflash.cli.common import console, load_shapes, use_interpreter
+from autoflash.cli.common import OPS, console, load_shapes, use_interpreter
 
 
 @click.command()
@@ -39,7 +39,8 @@ def info():
 @click.command()
 @click.option("--shapes", default="standard", show_default=True,
               help="Shape set (standard, gqa, long, ...) or a TOML file.")
-@click.option("--op", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True, help="Kernel op.")
+@click.option("--op", type=click.Choice(OPS), default="fwd", show_default=True,
+              help="Kernel op (decode: flash_attn_with_kvcache; a shape's seqlen_k is its cache's capacity).")
 @click.option("--interpret", is_flag=True, help="Resolve for the Triton CPU interpreter instead of the GPU.")
 def which(shapes, op, interpret):
     """Which kernel autoflash.attention serves for each shape on this machine, and where it comes from.

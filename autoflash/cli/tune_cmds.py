@@ -84,14 +84,17 @@ def _parse_ops(ops: str) -> list[str]:
     op_list = [o.strip() for o in ops.split(",") if o.strip()]
     unknown = [o for o in op_list if o not in OPS]
     if unknown or not op_list:
-        raise click.BadParameter(f"unknown op(s) {unknown or ops!r}: choose from fwd, bwd", param_hint="'--ops'")
+        raise click.BadParameter(f"unknown op(s) {unknown or ops!r}: choose from {', '.join(OPS)}",
+                                param_hint="'--ops'")
     return op_list
 
 
 def _tune_shapes(op_list, shapes, dtype, interpret):
     import dataclasses
 
-    shape_list = [s for op in op_list for s in load_shapes(shapes or ("tiny" if interpret else "standard"), op)]
+    def default_set(op):  # the decode op has its own shapes (a few new tokens against a cache)
+        return ("decode_tiny" if interpret else "decode") if op == "decode" else ("tiny" if interpret else "standard")
+    shape_list = [s for op in op_list for s in load_shapes(shapes or default_set(op), op)]
     if dtype:
         shape_list = [dataclasses.replace(s, dtype=dtype) for s in shape_list]
     if interpret and any(s.dtype == "bfloat16" for s in shape_list):
@@ -126,7 +129,7 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
 
 
 @click.command()
-@click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune: fwd, bwd.")
+@click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune: fwd, bwd, decode (flash_attn_with_kvcache; default shapes: decode).")
 @click.option("--shapes", default=None, help="Shape set: standard (default), gqa, long, train (backward grid), llama (the problem of `bench --llama`), sweep_d64, sweep_d256, tiny (default with --interpret), or a TOML file.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Override the shape set's dtype.")
 @click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=None,

@@ -76,7 +76,11 @@ def _alignment(kernel: Kernel, gs: Shape, i: int) -> int:
 
 
 def check(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
-    """The correctness gate of a forward or backward kernel (by its op)."""
+    """The correctness gate of a forward, backward or decode kernel (by its op)."""
+    if kernel.op == "decode":
+        from autoflash.tuning.gate_decode import check_decode
+
+        return check_decode(kernel, shape, device, seed)
     return (check_backward if kernel.op == "bwd" else check_forward)(kernel, shape, device, seed)
 
 

@@ -10,6 +10,7 @@ import time
 import torch
 
 from autoflash.codegen import Kernel
+from autoflash.device import launch_sm_count
 from autoflash.problem import Shape
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
 from autoflash.tuning.gate import forward_kernel_for_backward, require_supported
@@ -36,6 +37,12 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
     a vendor kernel through torch autograd. So a vendor pair and autoflash's pair compete on the
     same quantity (a vendor forward's output cannot feed autoflash's backward)."""
     scale = 1.0 / math.sqrt(shape.head_dim)
+    if kernel.op == "decode":  # the (B, H, N, D) inputs seen as N_q new tokens against a full cache
+        qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
+        out, lse = torch.empty_like(qd), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        seqlens = torch.full((q.shape[0],), k.shape[2], device=q.device, dtype=torch.int32)
+        sm_count = launch_sm_count(q.device)
+        return lambda: kernel.decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, None, sm_count=sm_count)
     if not kernel.takes_causal_offset(shape.causal, off):
         raise ValueError(f"{kernel.family} cannot take causal offset {off}")
     require_supported(kernel, q, k, v, q)

@@ -222,7 +222,10 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
         # problem, it runs through torch autograd; else autoflash's forward and backward.
         vendor = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only)
         if vendor.vendor:
-            return vendor.attention(q, k, v, sm_scale, causal, causal_offset)
+            try:
+                return vendor.attention(q, k, v, sm_scale, causal, causal_offset)
+            except RuntimeError:  # the backend refused these tensors after all: autoflash's pair serves
+                pass
         from autoflash import ops
 
         # (a plain autograd.Function: less host time per step than the custom op, which
@@ -232,20 +235,30 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
     kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=own_only)
     memoize = _memoizable(q, scale)
     if kernel.vendor:  # a vendor kernel won this problem: called as it is, now and next time
-        out = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
-
-        def plan(q, k, v):
-            return kernel.attention(q, k, v, sm_scale, causal, causal_offset)
-    elif memoize:
-        plan = _own_plan(kernel, q, k, v, out, sm_scale, causal, causal_offset)  # (runs this call)
-    else:
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        kernel.forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
+        try:
+            vendor_out = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+        except RuntimeError:  # the backend refused these tensors after all: the own kernel serves
+            kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True)
+        else:
+            out, plan = vendor_out, _vendor_plan(kernel, sm_scale, causal, causal_offset)
+    if not kernel.vendor:
+        if memoize:
+            plan = _own_plan(kernel, q, k, v, out, sm_scale, causal, causal_offset)  # (runs this call)
+        else:
+            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+            kernel.forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
     if memoize:
         if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
             inference_plans.clear()
         inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = plan
     return out
+
+
+def _vendor_plan(kernel, sm_scale: float, causal: bool, causal_offset: int):
+    """The plan of a signature a vendor kernel serves: `plan(q, k, v) -> out`, the kernel called as it is."""
+    def plan(q, k, v):
+        return kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+    return plan
 
 
 def _own_plan(kernel, q, k, v, out, sm_scale: float, causal: bool, causal_offset: int):

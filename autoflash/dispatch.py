@@ -204,7 +204,10 @@ class Dispatcher:
                       op=problem.op)
         log.info("autoflash: tuning %s on first use (AUTOFLASH_TUNE_ON_MISS=1)", problem.key)
         try:
-            (_miss_hook or tune_in_child_process)(shape)
+            if _miss_hook is not None:
+                _miss_hook(shape)
+            else:
+                tune_in_child_process(shape, q.device.index if q.is_cuda else None)
         except Exception as e:  # noqa: BLE001 - tuning is an optimisation: never break the model
             warnings.warn(f"autoflash: tune-on-miss failed for {problem.key}: {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=3)
@@ -300,7 +303,7 @@ class Dispatcher:
         raise InvalidVariant(f"no kernel of {problem.op} takes these tensors: {kernel.unsupported(q, k, v, o)}")
 
 
-def tune_in_child_process(shape: Shape) -> None:
+def tune_in_child_process(shape: Shape, device_index: int | None = None) -> None:
     """The built-in tune-on-miss: `python -m autoflash tune` on this one shape in a child process,
     into the user DB, bounded in time. A child process, never a fork or a re-run of the user's
     program: the model's process imports nothing of the tuning side."""
@@ -320,7 +323,11 @@ def tune_in_child_process(shape: Shape) -> None:
                    "--workers", "1"]  # one shape: one measuring process, whatever GPUs the machine has
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             command.append("--interpret")
-        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        env = dict(os.environ)
+        if device_index is not None:  # the call's GPU (its physical id), not the child's default one
+            visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            env["CUDA_VISIBLE_DEVICES"] = visible[device_index] if device_index < len(visible) else str(device_index)
+        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
                               timeout=budget_min * 60 + 300, cwd=tmp)
         if done.returncode != 0:
             raise RuntimeError(f"`autoflash tune` exited {done.returncode}: {done.stderr.strip()[-500:]}")

@@ -5,6 +5,7 @@ autoflash open and keep their rows."""
 from __future__ import annotations
 
 import datetime as _dt
+import sqlite3
 
 import sqlite_utils
 
@@ -41,8 +42,7 @@ def _m002_run_process(db: sqlite_utils.Database) -> None:
     """Which process ran a run (host, pid): a run left 'running' by a killed process can be told
     from one still going. Additive: older readers ignore the columns."""
     for column, kind in (("host", str), ("pid", int)):
-        if column not in db["runs"].columns_dict:
-            db["runs"].add_column(column, kind)
+        _add_column(db, "runs", column, kind)
 
 
 def _m003_occupancy_key(db: sqlite_utils.Database) -> None:
@@ -50,8 +50,19 @@ def _m003_occupancy_key(db: sqlite_utils.Database) -> None:
     Rows written before keep NULL and their keys without /w<n>: the dispatcher serves them by the
     nearest-bucket rule, one occupancy bucket away from every call."""
     for table in ("trials", "winners"):
-        if "work" not in db[table].columns_dict:
-            db[table].add_column("work", int)
+        _add_column(db, table, "work", int)
+
+
+def _add_column(db: sqlite_utils.Database, table: str, column: str, kind) -> None:
+    """Add a column unless it is there, also when another process added it between the check and
+    the ALTER (two tuners opening an older DB at once): then it is there, which is what was asked."""
+    if column in db[table].columns_dict:
+        return
+    try:
+        db[table].add_column(column, kind)
+    except sqlite3.OperationalError as e:
+        if "duplicate column" not in str(e):
+            raise
 
 
 MIGRATIONS = [("001_initial", _m001_initial), ("002_run_process", _m002_run_process),

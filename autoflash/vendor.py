@@ -42,6 +42,8 @@ class SdpaKernel:
         offered = ("cudnn", "flash", "efficient") if q.is_cuda else ("flash", "math")  # as sdpa_*.toml
         if self.backend not in offered:
             return f"the {self.backend} backend is not offered on {q.device.type} tensors here"
+        if self.backend != "math" and any(t.stride(-1) != 1 or t.data_ptr() % 16 for t in (q, k, v)):
+            return "torch's fused SDPA backends need a unit last stride and 16-byte aligned tensors"
         return None
 
     def attention(self, q, k, v, sm_scale: float, causal: bool, causal_offset: int = 0) -> torch.Tensor:

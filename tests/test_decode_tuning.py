@@ -14,8 +14,7 @@ from autoflash.device import gpu_fingerprint
 from autoflash.problem import Shape
 from autoflash.space import load_space
 from autoflash.store import Store
-from autoflash.tuning.gate import check
-from autoflash.tuning.gate_decode import check_decode
+from autoflash.tuning.gate import check, check_decode
 
 pytestmark = pytest.mark.interpreter
 DEVICE = gpu_fingerprint()

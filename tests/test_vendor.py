@@ -56,12 +56,12 @@ def _db_with(path, rows):
 
 @pytest.fixture
 def vendor_winners(tmp_path, monkeypatch):
-    """A user DB where torch SDPA (math backend) won the problems of SHAPE, forward and backward,
+    """A user DB where torch SDPA (flash backend) won the problems of SHAPE, forward and backward,
     and the best own kernels are stored beside it (slower)."""
     fwd, bwd = SHAPE.problem, Shape(**{**SHAPE.__dict__, "op": "bwd"}).problem
     db = _db_with(tmp_path / "user.db", [
-        (fwd, sdpa("fwd", "math"), 1.0), (fwd, default_variant("fwd", fwd, DEVICE), 2.0),
-        (bwd, sdpa("bwd", "math"), 1.0), (bwd, default_variant("bwd", bwd, DEVICE), 2.0)])
+        (fwd, sdpa("fwd", "flash"), 1.0), (fwd, default_variant("fwd", fwd, DEVICE), 2.0),
+        (bwd, sdpa("bwd", "flash"), 1.0), (bwd, default_variant("bwd", bwd, DEVICE), 2.0)])
     monkeypatch.setenv("AUTOFLASH_DB", str(db))
     api.reset()
     yield db
@@ -160,3 +160,16 @@ def test_a_vendor_winner_this_device_does_not_offer_is_never_served(tmp_path):
     with pytest.warns(RuntimeWarning, match="rejected winner"):  # not valid on this device's space either
         kernel = Dispatcher(winner_paths=[db]).kernel_for(q, k, v, q, True)
     assert not kernel.vendor
+
+
+def test_tensors_a_vendor_backend_refuses_are_served_by_the_own_kernel(vendor_winners, tmp_path):
+    """A vendor winner for the problem, and a query whose head dim is not contiguous (torch's
+    fused backends refuse it; autoflash's kernels take any strides): the own kernel answers."""
+    q, k, v = _inputs()
+    q_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, stride(-1) != 1
+    assert q_strided.stride(-1) != 1
+    d = get_dispatcher()
+    assert not d.kernel_for(q_strided, k, v, torch.empty_like(q_strided), True).vendor
+    for _ in range(2):
+        out = autoflash.attention(q_strided, k, v, is_causal=True, enable_gqa=True)
+        assert rel_error(out, reference(q, k, v, True, 0, SHAPE.head_dim ** -0.5)[0]) < 1e-5

@@ -133,7 +133,10 @@ def use_interpreter() -> None:
 
     from autoflash.device import gpu_fingerprint
 
-    program = os.path.basename(sys.argv[0]) in ("autoflash", "__main__.py")  # not a host program (tests)
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    # this process is the autoflash command (its console script or `python -m autoflash`), not a host
+    # program such as pytest that runs the CLI in-process
+    program = os.path.basename(sys.argv[0]) == "autoflash" or getattr(main, "name", "") == "autoflash.__main__"
     if program and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and "triton" in sys.modules:
         # Triton compiles or interprets its own library functions (tl.max's combine, ...) when it is
         # imported, which this process already did: start again with the interpreter on from the

@@ -331,12 +331,14 @@ class Tuner:
         return None
 
     def _incumbent(self, problem, passed: set) -> str | None:
-        """The stored winner of this problem (any current family), when it passed this run's gate."""
-        for family in families_for(problem.op):
-            row = self.store.winner(self.gpu_key, problem.key, codegen.template_hash(family))
-            if row and f"{family}:{row['variant']}" in passed:
-                return f"{family}:{row['variant']}"
-        return None
+        """The stored winner served for this problem, when it passed this run's gate: of the rows of
+        the current families the fastest, as the dispatcher picks (after a vendor win the best own
+        kernel is stored beside it, and is not the incumbent)."""
+        rows = [(row["median_ms"], f"{family}:{row['variant']}") for family in families_for(problem.op)
+                for row in [self.store.winner(self.gpu_key, problem.key, codegen.template_hash(family))]
+                if row and isinstance(row.get("median_ms"), (int, float))]
+        served = min(rows, default=None)
+        return served[1] if served and served[1] in passed else None
 
 
 def _tell(study, trial, value=None, state=None) -> None:

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from autoflash.codegen import KernelCacheError
+from autoflash.kernel_cache import KernelCacheError
 from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.reference import sdpa_attention

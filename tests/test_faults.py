@@ -91,7 +91,7 @@ def test_no_writable_place_at_all_raises_kernel_cache_error(tmp_path):
     code = f"""
     import json, tempfile, dataclasses
     tempfile.tempdir = {str(blocker / "tmp")!r}  # mkdtemp cannot work either
-    from autoflash import codegen
+    from autoflash import codegen, kernel_cache
     from autoflash.device import gpu_fingerprint
     from autoflash.problem import Problem
     from autoflash.space import default_variant
@@ -99,7 +99,7 @@ def test_no_writable_place_at_all_raises_kernel_cache_error(tmp_path):
     try:
         codegen.load(variant)
         print(json.dumps({{"raised": None}}))
-    except codegen.KernelCacheError as e:
+    except kernel_cache.KernelCacheError as e:
         print(json.dumps({{"raised": type(e).__name__, "message": str(e)}}))
     """
     result = last_json(run_python(code, interp_env(tmp_path, AUTOFLASH_KERNEL_CACHE=str(blocker))))

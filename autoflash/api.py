@@ -164,9 +164,11 @@ def _needs_autograd(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-# The API's one memo: an inference call's signature -> plan(q, k, v) -> out.
-# A repeated call with the same signature launches its kernel at once (`_repeat_inference_call`).
-inference_plans: dict[tuple, tuple] = {}
+# The API's memos: a call's signature -> plan(q, k, v) -> out, one for inference calls and one for
+# differentiable ones. A repeated call with the same signature launches at once (`_repeat_call`).
+inference_plans: dict[tuple, object] = {}
+training_plans: dict[tuple, object] = {}
+PLAN_MEMOS = [inference_plans, training_plans]  # (the decode functions add theirs)
 MAX_PLANS = 4096
 
 
@@ -189,23 +191,30 @@ def _memoizable(q, scale) -> bool:
     return getattr(q, "is_cuda", False) or interpreter_enabled()
 
 
-def _repeat_inference_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0):
-    """The host fast path: an inference call whose exact signature was planned before launches
-    its kernel directly (no validation, no dispatcher lookup). None when the call is new,
-    differentiable or being traced by torch.compile: the full path handles those."""
+def _repeat_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0):
+    """The host fast path: a call whose exact signature was planned before launches its kernels
+    directly (no validation, no dispatcher lookup). None when the call is new or being traced by
+    torch.compile: the full path handles those."""
     if torch.compiler.is_compiling():  # traced calls go through the registered op
         return None
     if scale is not None and type(scale) not in (int, float):  # (True == 1: never a planned scale)
         return None
     try:
-        plan = inference_plans.get(_signature(q, k, v, causal, scale, enable_gqa, causal_offset))
+        signature = _signature(q, k, v, causal, scale, enable_gqa, causal_offset)
     except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the full path decides
         return None
-    if plan is None or _needs_autograd(q, k, v):
+    plan = (training_plans if _needs_autograd(q, k, v) else inference_plans).get(signature)
+    if plan is None:
         return None
     if not q.is_cuda and not interpreter_enabled():  # planned under the interpreter, which is now off
         return None
     return plan(q, k, v)
+
+
+def _remember(plans: dict, q, k, v, causal, scale, enable_gqa, causal_offset, plan) -> None:
+    if len(plans) > MAX_PLANS:  # many distinct signatures: stay bounded
+        plans.clear()
+    plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = plan
 
 
 def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
@@ -217,23 +226,14 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
         from autoflash import ops  # the registered custom op: autograd and torch.compile see one node
 
         return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
+    memoize = _memoizable(q, scale)
     if _needs_autograd(q, k, v):
-        # Training: where a vendor pair (torch SDPA's forward and backward) won the backward
-        # problem, it runs through torch autograd; else autoflash's forward and backward.
-        vendor = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only)
-        if vendor.vendor:
-            try:
-                return vendor.attention(q, k, v, sm_scale, causal, causal_offset)
-            except RuntimeError:  # the backend refused these tensors after all: autoflash's pair serves
-                pass
-        from autoflash import ops
-
-        # (a plain autograd.Function: less host time per step than the custom op, which
-        # torch.compile needs and gets above)
-        return ops.EagerAttention.apply(q, k, v, sm_scale, causal, causal_offset)
+        plan = _training_plan(q, k, v, sm_scale, causal, causal_offset, own_only)
+        if memoize:
+            _remember(training_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
+        return plan(q, k, v)
     out = torch.empty_like(q)
     kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=own_only)
-    memoize = _memoizable(q, scale)
     if kernel.vendor:  # a vendor kernel won this problem: called as it is, now and next time
         try:
             vendor_out = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
@@ -248,10 +248,31 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             kernel.forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
     if memoize:
-        if len(inference_plans) > MAX_PLANS:  # many distinct signatures: stay bounded
-            inference_plans.clear()
-        inference_plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = plan
+        _remember(inference_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
     return out
+
+
+def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, own_only: bool):
+    """plan(q, k, v) -> differentiable out. Where a vendor pair (torch SDPA's forward and backward)
+    won the backward problem it runs through torch autograd; else autoflash's own pair."""
+    from autoflash import ops
+    from autoflash.training import EagerAttention
+
+    pair = ops.training_pair(q, k, v, sm_scale, causal, causal_offset)
+
+    def own(q, k, v):
+        return EagerAttention.apply(q, k, v, pair)
+
+    vendor = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only)
+    if not vendor.vendor:
+        return own
+
+    def vendor_pair(q, k, v):
+        try:
+            return vendor.attention(q, k, v, sm_scale, causal, causal_offset)
+        except RuntimeError:  # the backend refused these tensors after all: autoflash's pair serves
+            return own(q, k, v)
+    return vendor_pair
 
 
 def _vendor_plan(kernel, sm_scale: float, causal: bool, causal_offset: int):
@@ -265,7 +286,7 @@ def _own_plan(kernel, q, k, v, out, sm_scale: float, causal: bool, causal_offset
     """Run this call into `out` and return the plan of its signature, `plan(q, k, v) -> out`: the
     kernel launches through its module once, leaving a direct launcher of the compiled kernel."""
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    launch = kernel.bind_forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
+    launch = bound = kernel.bind_forward(q, k, v, out, lse, sm_scale, causal, causal_offset)
     if launch is None:
         def launch(q, k, v, o, lse):
             kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
@@ -276,12 +297,14 @@ def _own_plan(kernel, q, k, v, out, sm_scale: float, causal: bool, causal_offset
         # on another stream, or a captured CUDA graph, still writes to it.
         launch(q, k, v, out, torch.empty(q.shape[:3], device=q.device, dtype=torch.float32))
         return out
+    plan.launches_directly = bound is not None
     return plan
 
 
 def reset() -> None:
     """Forget every plan, warning and loaded winner (tests; after tuning into the DB in-process)."""
-    inference_plans.clear()
+    for plans in PLAN_MEMOS:
+        plans.clear()
     _warned_reasons.clear()
     get_dispatcher().reset()
 
@@ -307,7 +330,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         elements gives a contiguous output.
     """
     if attn_mask is None and type(dropout_p) in (int, float) and not dropout_p:
-        out = _repeat_inference_call(query, key, value, is_causal, scale, enable_gqa)
+        out = _repeat_call(query, key, value, is_causal, scale, enable_gqa)
         if out is not None:
             return out
     layout = "(batch, heads, seqlen, head_dim)"
@@ -341,8 +364,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     if type(dropout_p) in (int, float) and not dropout_p and all(
             isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
-        out = _repeat_inference_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal,
-                                     softmax_scale, True, k.shape[1] - q.shape[1])
+        out = _repeat_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale, True,
+                           k.shape[1] - q.shape[1])
         if out is not None:
             return out.transpose(1, 2).contiguous()
     layout = "(batch, seqlen, heads, head_dim)"

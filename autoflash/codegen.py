@@ -32,7 +32,7 @@ import jinja2
 import torch
 import triton
 
-from autoflash import resources
+from autoflash import replay, resources
 from autoflash.kernel_cache import _cached_source_file, kernel_cache_dir
 from autoflash.space import Variant, load_space
 
@@ -231,13 +231,17 @@ class Kernel:
         return out
 
     def bind_forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int):
-        """Launch once through the module, and return a direct launcher `fn(q, k, v, o, lse)` for
-        later calls whose tensors have these shapes, strides, dtypes and device (the caller's memo
-        guarantees it): the cached compiled kernel is launched without Triton's per-call argument
-        binding and cache lookup (measured on the H200: that path alone costs more host time than a
-        whole torch SDPA call). None when the module cannot be bound so (the interpreter, several
-        kernel launches, profiler hooks): then launch with `forward`."""
-        return bind_direct_launch(self, q, k, v, o, lse, sm_scale, causal, causal_offset)
+        """Launch once through the module and return a direct launcher `fn(q, k, v, o, lse)` for
+        later calls whose tensors have these shapes, strides, dtypes, alignment and device (the
+        caller's memo guarantees it), or None (then launch with `forward`). See `replay`."""
+        return replay.bind(self.module, lambda: self.forward(q, k, v, o, lse, sm_scale, causal, causal_offset),
+                           (q, k, v, o, lse), outputs=(3, 4), before_launch=ensure_allocator)
+
+    def bind_backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int):
+        """As `bind_forward`, for `backward`: `fn(q, k, v, o, lse, do, dq, dk, dv)` or None."""
+        return replay.bind(self.module, lambda: self.backward(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal,
+                                                              causal_offset),
+                           (q, k, v, o, lse, do, dq, dk, dv), outputs=(6, 7, 8), before_launch=ensure_allocator)
 
     def decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
                sm_count: int = 1, num_splits: int | None = None, compile_only: bool = False):
@@ -247,6 +251,16 @@ class Kernel:
             raise TypeError(f"{self.family} is not a decode kernel family")
         return self.module.launch(q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens, block_table,
                                   sm_count=sm_count, num_splits=num_splits, compile_only=compile_only)
+
+    def bind_decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
+                    sm_count: int = 1, num_splits: int | None = None):
+        """As `bind_forward`, for `decode`: `fn(q, k_cache, v_cache, o, lse, seqlens[, block_table])`
+        (block_table exactly when this call has one), or None. The split count is fixed by the
+        shapes, so it is bound with them."""
+        tensors = (q, k_cache, v_cache, o, lse, seqlens) + ((block_table,) if block_table is not None else ())
+        return replay.bind(self.module, lambda: self.decode(q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens,
+                                                            block_table, sm_count, num_splits),
+                           tensors, outputs=(3, 4))
 
     def compile_for(self, q, k, v, causal: bool, causal_offset: int) -> None:
         """Build (or fetch from Triton's cache) the binary for these argument types, no launch.
@@ -271,78 +285,3 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"Kernel({self.family}: {self.variant.short()})"
-
-
-
-# --------------------------------------------------------------------------- direct launches
-def bind_direct_launch(kernel: Kernel, q, k, v, o, lse, sm_scale, causal, causal_offset):
-    """See `Kernel.bind_forward`. Records the one JIT launch `module.launch` makes (arguments,
-    grid, compiled kernel), then replays it with new tensors in the first five argument slots."""
-    from triton.runtime.jit import JITFunction
-
-    if kernel.uses_tma:
-        ensure_allocator()
-    if not q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
-        return None
-    jits = [f for f in vars(kernel.module).values() if isinstance(f, JITFunction)]
-    records = []
-
-    def recorder(jit):
-        def run(*args, **kwargs):  # (Triton's keyword-only grid/warmup: taken as they come)
-            compiled = JITFunction.run(jit, *args, **kwargs)
-            records.append((jit, args, {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")},
-                            kwargs.get("grid"), compiled))
-            return compiled
-        return run
-
-    for jit in jits:
-        jit.run = recorder(jit)  # an instance attribute: shadows the method for this one call
-    try:
-        kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
-    finally:
-        for jit in jits:
-            vars(jit).pop("run", None)
-    try:
-        return _direct_launcher(records, (q, k, v, o, lse))
-    except Exception:  # noqa: BLE001 - an optimisation only: the module's own launch stays correct
-        return None
-
-
-def _direct_launcher(records: list, tensors: tuple):
-    from triton import knobs
-
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    if len(records) != 1 or any(h is not None and getattr(h, "calls", True) for h in hooks):
-        return None  # (launch hooks, e.g. a profiler's, want Triton's own launch path)
-    jit, args, kwargs, grid, compiled = records[0]
-    if compiled is None or not hasattr(compiled, "run") or hasattr(compiled, "result"):
-        return None
-    names = [p.name for p in jit.params]
-    params = {n: kwargs[n] for n in names if n in kwargs}
-    import inspect
-
-    bound = inspect.signature(jit.fn).bind(*args, **params)
-    bound.apply_defaults()
-    values = [bound.arguments[n] for n in names]
-    if any(a is not b for a, b in zip(values[: len(tensors)], tensors)):
-        return None  # the kernel's first arguments are not (q, k, v, o, lse): do not guess
-    rest = tuple(values[len(tensors):])
-    if any(isinstance(x, torch.Tensor) for x in rest):
-        return None  # another tensor (scratch, a descriptor's base) would be replayed stale
-    if callable(grid):
-        grid = grid(bound.arguments)
-    g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    raw_stream = torch._C._cuda_getCurrentRawStream
-
-    if getattr(compiled.metadata, "global_scratch_size", 0):
-        def launch(q, k, v, o, lse):  # in-kernel TMA descriptors: the scratch allocator must be set here
-            ensure_allocator()
-            run(g0, g1, g2, raw_stream(q.device.index), function, metadata, None, None, None, q, k, v, o, lse, *rest)
-        return launch
-
-    def launch(q, k, v, o, lse):
-        run(g0, g1, g2, raw_stream(q.device.index), function, metadata, None, None, None, q, k, v, o, lse, *rest)
-
-    return launch

@@ -10,16 +10,16 @@ log-sum-exp. It is an inference function (not differentiable, as flash-attn's).
 kernels of `flash_attn_func` on views of the packed tensors (no padding, no copies in; one
 concatenation out; one host sync to read cu_seqlens). Differentiable.
 
-Bad input raises one `ValueError` naming the argument (checking the values of cache_seqlens,
-block_table and cu_seqlens costs one host sync; the value checks of the KV-cache call are skipped
-while a CUDA graph is being captured). Valid calls the kernels do not cover fall back to a torch
+Bad input raises one `ValueError` naming the argument (`decode_validate`: checking the values of
+cache_seqlens and block_table costs one host sync, paid once per tensor state; cu_seqlens are
+read on the host; the value checks of the KV-cache call are skipped while a CUDA graph is being
+captured). Valid calls the kernels do not cover fall back to a torch
 implementation with one `FallbackWarning` per reason (`AUTOFLASH_STRICT=1`: `FallbackError`).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from autoflash import api, codegen
 from autoflash.api import FallbackError, FallbackWarning  # noqa: F401 (re-exported for callers)
 from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_count
+from autoflash.decode_validate import validate_kvcache, validate_varlen
 from autoflash.dispatch import get_dispatcher
 from autoflash.problem import Problem, dtype_name, seqlen_bucket, shape_work_bucket
 from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
@@ -100,118 +101,6 @@ def _unsupported_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- validation
-def _tensor(t, name: str, dim: int, layout: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D {layout}, got shape {tuple(t.shape)}")
-    return t
-
-
-def _same(ref: torch.Tensor, t: torch.Tensor, name: str, ref_name: str) -> None:
-    if t.dtype != ref.dtype:
-        raise ValueError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {t.dtype}")
-    if t.device != ref.device:
-        raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {t.device}")
-
-
-def _index_tensor(t, name: str, dim: int, layout: str, device) -> torch.Tensor:
-    _tensor(t, name, dim, layout)
-    if t.dtype != torch.int32:
-        raise ValueError(f"{name} must be an int32 tensor {layout}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
-    return t
-
-
-def _check_values(checks: list) -> None:
-    """checks: (bool tensor that must be all true, message). One host transfer for all of them."""
-    if not checks or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return
-    ok = torch.stack([c.all() for c, _ in checks]).tolist()
-    for good, (_, message) in zip(ok, checks):
-        if not good:
-            raise ValueError(message)
-
-
-def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits):
-    """Raise ValueError for malformed input; returns (seqlens int32 (B,) before the append, new tokens)."""
-    qlay = "(batch, seqlen_q, nheads, headdim)"
-    _tensor(q, "q", 4, qlay)
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
-    paged = block_table is not None
-    clay = "(num_blocks, page_block_size, nheads_k, headdim)" if paged else "(batch, seqlen_cache, nheads_k, headdim)"
-    _tensor(k_cache, "k_cache", 4, clay)
-    _tensor(v_cache, "v_cache", 4, clay)
-    _same(q, k_cache, "k_cache", "q")
-    _same(q, v_cache, "v_cache", "q")
-    batch, q_len, heads, head_dim = q.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape {clay}, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache must have q's head dim {head_dim}, got shape {tuple(k_cache.shape)}")
-    kv_heads = k_cache.shape[2]
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"q heads ({heads}) must be a multiple of k_cache heads ({kv_heads}) for grouped-query attention")
-    if paged:
-        _index_tensor(block_table, "block_table", 2, "(batch, max_num_blocks_per_seq)", q.device)
-        if block_table.shape[0] != batch:
-            raise ValueError(f"block_table must have q's batch size {batch} rows, got shape {tuple(block_table.shape)}")
-        if k_cache.shape[1] == 0:
-            raise ValueError("k_cache must have a page_block_size >= 1")
-        capacity = k_cache.shape[1] * block_table.shape[1]
-    else:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache must have q's batch size {batch}, got shape {tuple(k_cache.shape)}")
-        capacity = k_cache.shape[1]
-    new = _validate_new_tokens(q, k_cache, k, v)
-    if cache_seqlens is None:
-        if new:
-            raise ValueError("cache_seqlens is required to append k/v (the lengths before the append)")
-        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    else:
-        seqlens = _index_tensor(cache_seqlens, "cache_seqlens", 1, "(batch,)", q.device)
-        if seqlens.shape[0] != batch:
-            raise ValueError(f"cache_seqlens must have q's batch size {batch}, got shape {tuple(seqlens.shape)}")
-    api._check_numbers(0.0, softmax_scale, "softmax_scale")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: the heuristic), got {num_splits!r}")
-    checks = [(seqlens >= 0, "cache_seqlens must be >= 0"),
-              (seqlens.long() + new <= capacity,
-               f"cache_seqlens + seqlen_new ({new}) must be <= the cache capacity ({capacity} tokens)")]
-    if paged and block_table.numel():
-        used = torch.arange(block_table.shape[1], device=q.device) * k_cache.shape[1] < (seqlens.long() + new)[:, None]
-        bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
-        checks.append((~bad, f"block_table entries for the cached and new tokens must be in [0, {k_cache.shape[0]}) "
-                             "(num_blocks of k_cache)"))
-    _check_values(checks)
-    return seqlens, new
-
-
-def _validate_new_tokens(q, k_cache, k, v) -> int:
-    """The number of new tokens to append (0 without k/v); ValueError for malformed k/v."""
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new keys and values to append), or neither")
-    if k is None:
-        return 0
-    batch, kv_heads, head_dim = q.shape[0], k_cache.shape[2], q.shape[3]
-    nlay = "(batch, seqlen_new, nheads_k, headdim)"
-    for t, name in ((k, "k"), (v, "v")):
-        _tensor(t, name, 4, nlay)
-        _same(q, t, name, "q")
-        if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
-            raise ValueError(f"{name} must be {nlay} = ({batch}, seqlen_new, {kv_heads}, {head_dim}), got {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    return k.shape[1]
-
-
 def _append(k_cache, v_cache, k, v, seqlens, block_table) -> None:
     """Write k, v (B, S_new, H_kv, D) into the caches at positions seqlens[b] + t (torch indexing)."""
     batch, new = k.shape[:2]
@@ -253,14 +142,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         out (batch_size, seqlen_q, nheads, headdim), in q's memory layout; (out, lse) with
         return_softmax_lse. Not differentiable (as flash-attn's).
     """
-    seqlens, new = _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                                     causal, num_splits)
+    seqlens, new = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
+                                    causal, num_splits)
     batch, q_len, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     with torch.no_grad():
         if new:
             _append(k_cache, v_cache, k, v, seqlens, block_table)
-        total = (seqlens + new).to(torch.int32).contiguous()
+        total = seqlens if not new and seqlens.is_contiguous() else (seqlens + new).to(torch.int32).contiguous()
         reason = _unsupported_reason(q) if q.numel() else None
         if reason is not None:
             _fallback(reason)
@@ -269,49 +158,42 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         out = torch.empty_like(q)
         lse = torch.empty((batch, heads, q_len), device=q.device, dtype=torch.float32)
         if q.numel():
-            capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-            knobs = _served_knobs(q, k_cache, capacity, causal, variant)
-            load_kernel(knobs).decode(q, k_cache, v_cache, out, lse, scale, causal, total, block_table,
-                                      sm_count=launch_sm_count(q.device), num_splits=num_splits or None)
+            _launch(q, k_cache, v_cache, out, lse, scale, causal, total, block_table, num_splits, variant)
     return (out, lse) if return_softmax_lse else out
 
 
-def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-    lay = "(total_tokens, nheads, headdim)"
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        _tensor(t, name, 3, lay)
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
-    _same(q, k, "k", "q")
-    _same(q, v, "v", "q")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k and v must agree in total_tokens and heads {lay}, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[2]} and {k.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k heads ({k.shape[1]}) for grouped-query attention")
-    cus = []
-    for cu, name, total in ((cu_seqlens_q, "cu_seqlens_q", q.shape[0]), (cu_seqlens_k, "cu_seqlens_k", k.shape[0])):
-        _index_tensor(cu, name, 1, "(batch_size + 1,)", q.device)
-        values = cu.tolist()
-        if not values or values[0] != 0:
-            raise ValueError(f"{name} must start at 0 (batch_size + 1 offsets), got {values[:4]}")
-        if any(b < a for a, b in zip(values, values[1:])):
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
-        if values[-1] != total:
-            raise ValueError(f"{name}[-1] ({values[-1]}) must equal the total tokens of its tensor ({total})")
-        cus.append(values)
-    if len(cus[0]) != len(cus[1]):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch_size + 1), "
-                         f"got {len(cus[0])} and {len(cus[1])}")
-    for m, name, values in ((max_seqlen_q, "max_seqlen_q", cus[0]), (max_seqlen_k, "max_seqlen_k", cus[1])):
-        longest = max((b - a for a, b in zip(values, values[1:])), default=0)
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < longest:
-            raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {m!r}")
-    api._check_numbers(0.0, softmax_scale, "softmax_scale")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
-    return cus
+# A decode call's signature -> its direct launcher (or False: launch through the kernel module).
+# Decoding repeats one signature per layer and step: the dispatcher lookup and Triton's per-launch
+# host path would otherwise cost more than the kernel takes on short caches.
+_decode_plans: dict[tuple, tuple] = {}
+api.PLAN_MEMOS.append(_decode_plans)  # (forgotten with the API's plans: `autoflash.reset()`)
+
+
+def _launch(q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table, num_splits, variant) -> None:
+    paged = block_table is not None
+    signature = None
+    if variant is None and q.is_cuda:
+        signature = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
+                     block_table.shape if paged else None, block_table.stride() if paged else None,
+                     causal, scale, num_splits,
+                     *(not t.data_ptr() & 15 for t in (q, k_cache, v_cache, seqlens, block_table) if t is not None))
+        plan = _decode_plans.get(signature)
+        if plan is not None and plan[1]:
+            plan[1](q, k_cache, v_cache, out, lse, seqlens, *((block_table,) if paged else ()))
+            return
+    if signature is not None and signature in _decode_plans:
+        kernel = _decode_plans[signature][0]  # (planned, but not bound: through the kernel module)
+    else:
+        capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+        kernel = load_kernel(_served_knobs(q, k_cache, capacity, causal, variant))
+    args = (q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table)
+    options = dict(sm_count=launch_sm_count(q.device), num_splits=num_splits or None)
+    if signature is None or signature in _decode_plans:
+        kernel.decode(*args, **options)
+        return
+    if len(_decode_plans) > 1024:
+        _decode_plans.clear()
+    _decode_plans[signature] = (kernel, kernel.bind_decode(*args, **options) or False)  # (runs this call)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
@@ -332,7 +214,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Implementation: a loop over the sequences, each through `flash_attn_func`'s kernels on views
     (no padding copies); sequences with no key give 0. One host sync reads cu_seqlens.
     """
-    cu_q, cu_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    cu_q, cu_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale, causal)
     outs = []
     for i in range(len(cu_q) - 1):

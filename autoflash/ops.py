@@ -63,25 +63,16 @@ def _backward(ctx, grad_out, grad_lse):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-class EagerAttention(torch.autograd.Function):
-    """The same forward and backward as `attn_fwd`/`attn_bwd`, as a plain autograd.Function for
-    eager training: the custom op's per-call dispatch (schema checks, the op's autograd wrapper)
-    costs host time that shows whenever the kernels are short. torch.compile keeps the custom op."""
+from autoflash.training import TrainingPair  # noqa: E402 (the eager training path)
 
-    @staticmethod
-    def forward(ctx, q, k, v, scale: float, causal: bool, causal_offset: int):
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True).forward(q, k, v, out, lse, scale, causal,
-                                                                                  causal_offset)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.causal, ctx.causal_offset = scale, causal, causal_offset
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        get_dispatcher().kernel_for(q, k, v, grad_out, ctx.causal, op="bwd", own_only=True).backward(
-            q, k, v, out, lse, grad_out, dq, dk, dv, ctx.scale, ctx.causal, ctx.causal_offset)
-        return dq, dk, dv, None, None, None
+def training_pair(q, k, v, sm_scale: float, causal: bool, causal_offset: int) -> TrainingPair:
+    """The served own forward and backward kernels of this call."""
+    dispatcher = get_dispatcher()
+
+    def backward_for(q, k, v, do):  # a gradient the served backward cannot read: what serves it
+        return dispatcher.kernel_for(q, k, v, do, causal, op="bwd", own_only=True)
+
+    return TrainingPair(dispatcher.kernel_for(q, k, v, q, causal, own_only=True),
+                        dispatcher.kernel_for(q, k, v, q, causal, op="bwd", own_only=True),
+                        sm_scale, causal, causal_offset, fallback_backward=backward_for)

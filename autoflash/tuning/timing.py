@@ -13,6 +13,7 @@ from autoflash.codegen import Kernel
 from autoflash.device import launch_sm_count
 from autoflash.problem import Shape
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
+from autoflash.training import EagerAttention, TrainingPair
 from autoflash.tuning.gate import forward_kernel_for_backward, require_supported
 
 
@@ -42,6 +43,10 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
         out, lse = torch.empty_like(qd), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         seqlens = torch.full((q.shape[0],), k.shape[2], device=q.device, dtype=torch.int32)
         sm_count = launch_sm_count(q.device)
+        # (launched as a decode step launches it: directly, after the first call)
+        launch = kernel.bind_decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, None, sm_count=sm_count)
+        if launch:
+            return lambda: launch(qd, kd, vd, out, lse, seqlens)
         return lambda: kernel.decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, None, sm_count=sm_count)
     if not kernel.takes_causal_offset(shape.causal, off):
         raise ValueError(f"{kernel.family} cannot take causal offset {off}")
@@ -53,18 +58,22 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
         return lambda: kernel.attention(q, k, v, scale, shape.causal, off)
     if kernel.op == "bwd":
         grad = make_inputs(shape, q.device, seed=4321)[0]
-        forward = forward_kernel_for_backward(q, k, v, shape.causal)
-        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        grads = [torch.empty_like(t) for t in (q, k, v)]
         require_supported(kernel, q, k, v, grad)
+        # What a training step runs: the served path's autograd.Function and direct launches
+        # (a vendor pair above is timed through torch autograd too).
+        pair = TrainingPair(forward_kernel_for_backward(q, k, v, shape.causal), kernel, scale, shape.causal, off)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
         def step():
-            forward.forward(q, k, v, out, lse, scale, shape.causal, off)
-            kernel.backward(q, k, v, out, lse, grad, *grads, scale, shape.causal, off)
+            with torch.enable_grad():
+                torch.autograd.grad(EagerAttention.apply(*leaves, pair), leaves, grad)
         return step
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     require_supported(kernel, q, k, v, out)
+    launch = kernel.bind_forward(q, k, v, out, lse, scale, shape.causal, off)  # (as inference launches it)
+    if launch:
+        return lambda: launch(q, k, v, out, lse)
     return lambda: kernel.forward(q, k, v, out, lse, scale, shape.causal, off)
 
 

@@ -1,0 +1,80 @@
+"""A training step's attention on autoflash's own kernels: forward and backward as one pair, with
+direct launches (`replay`), and the autograd.Function that runs them.
+
+Used by the API (eager training) and by the tuner (a backward problem is timed as forward +
+backward through this same path, so the measured time is what a training step gets).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TrainingPair:
+    """autoflash's forward and backward kernels for one training call signature (the API's memo
+    key), each launched directly after its first call (`Kernel.bind_forward`/`bind_backward`):
+    Triton's per-launch host path costs more than the kernels take on short sequences."""
+
+    def __init__(self, forward_kernel, backward_kernel, sm_scale: float, causal: bool, causal_offset: int,
+                 fallback_backward=None):
+        """fallback_backward(q, k, v, do) -> a backward kernel for a gradient `backward_kernel`
+        cannot read (e.g. a TMA kernel and a gradient with stride 0); None: such a gradient is an error."""
+        self.forward_kernel, self.backward_kernel = forward_kernel, backward_kernel
+        self.fallback_backward = fallback_backward
+        self.sm_scale, self.causal, self.causal_offset = sm_scale, causal, causal_offset
+        self._forward_launch = None  # None: not bound yet; False: cannot be bound
+        self._backward_launch: dict[tuple, object] = {}  # by the incoming gradient's layout
+
+    def forward(self, q, k, v):
+        out = torch.empty_like(q)  # q's memory layout
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        if self._forward_launch:
+            self._forward_launch(q, k, v, out, lse)
+        elif self._forward_launch is None:
+            self._forward_launch = self.forward_kernel.bind_forward(q, k, v, out, lse, self.sm_scale, self.causal,
+                                                                    self.causal_offset) or False
+        else:
+            self.forward_kernel.forward(q, k, v, out, lse, self.sm_scale, self.causal, self.causal_offset)
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, do):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # The gradient autograd hands over can have any layout (and alignment): kernel and direct
+        # launcher are chosen per layout (a TMA kernel cannot read a gradient with stride 0).
+        layout = (do.dtype, do.stride(), not do.data_ptr() & 15)
+        kernel, launch = self._backward_launch.get(layout, (None, None))
+        if launch:
+            launch(q, k, v, out, lse, do, dq, dk, dv)
+            return dq, dk, dv
+        if kernel is None:
+            kernel = self.backward_kernel
+            reason = kernel.unsupported(q, k, v, do)
+            if reason is not None:
+                if self.fallback_backward is None:
+                    raise ValueError(f"{kernel} cannot read this gradient: {reason}")
+                kernel = self.fallback_backward(q, k, v, do)
+            if len(self._backward_launch) < 8:  # (bind runs this call, bound or not)
+                self._backward_launch[layout] = (kernel, kernel.bind_backward(
+                    q, k, v, out, lse, do, dq, dk, dv, self.sm_scale, self.causal, self.causal_offset))
+                return dq, dk, dv
+        kernel.backward(q, k, v, out, lse, do, dq, dk, dv, self.sm_scale, self.causal, self.causal_offset)
+        return dq, dk, dv
+
+
+class EagerAttention(torch.autograd.Function):
+    """The same forward and backward as `attn_fwd`/`attn_bwd`, as a plain autograd.Function for
+    eager training: the custom op's per-call dispatch (schema checks, the op's autograd wrapper)
+    costs host time that shows whenever the kernels are short. torch.compile keeps the custom op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pair: TrainingPair):
+        out, lse = pair.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pair = pair
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.pair.backward(q, k, v, out, lse, grad_out)
+        return dq, dk, dv, None

@@ -1,0 +1,134 @@
+"""Direct launches (`autoflash.replay`): a recorded module launch replayed with new tensors gives
+the module's results bit for bit, or is not bound at all. GPU tests, plus the CPU fallback."""
+
+import os
+
+import pytest
+import torch
+
+import autoflash
+from autoflash import api, codegen, decode
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Shape
+from autoflash.reference import make_inputs, reference, reference_grads, rel_error
+from autoflash.space import default_variant, load_space
+
+HAS_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+gpu = pytest.mark.gpu
+
+
+def test_not_bound_in_the_interpreter_but_the_call_runs():
+    """On the CPU (interpreter) nothing is bound, and bind still performs the call it was given."""
+    if HAS_GPU:
+        pytest.skip("the interpreter case")
+    shape = Shape(1, 2, 2, 37, 37, 32, True, "float32")
+    q, k, v = make_inputs(shape, "cpu", seed=3)
+    kernel = codegen.load(default_variant("fwd", shape.problem, gpu_fingerprint()))
+    out, lse = torch.zeros_like(q), torch.empty(q.shape[:3], dtype=torch.float32)
+    assert kernel.bind_forward(q, k, v, out, lse, 32 ** -0.5, True, 0) is None
+    ref, _ = reference(q, k, v, True, 0, 32 ** -0.5)
+    assert rel_error(out, ref) <= 1e-4
+
+
+def _forward_variants():
+    if not HAS_GPU:
+        return []
+    shape = Shape(2, 8, 8, 1023, 1023, 128, True, "bfloat16")
+    device = gpu_fingerprint()
+    picked = [default_variant("fwd", shape.problem, device)]
+    sm90 = load_space("gluon_sm90_fwd")
+    if device.cc_major == 9:
+        picked.append(sm90.nearest_valid(sm90.default_for(shape.problem, device), shape.problem, device))
+    return picked
+
+
+@gpu
+@pytest.mark.parametrize("variant", _forward_variants(), ids=str)
+def test_forward_replay_matches_the_module_bit_for_bit(variant):
+    shape = Shape(2, 8, 2, 1023, 1023, 128, True, "bfloat16")
+    kernel = codegen.load(variant)
+    q, k, v = make_inputs(shape, "cuda", seed=1)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    launch = kernel.bind_forward(q, k, v, out, lse, 0.1, True, 0)
+    assert launch is not None, f"{kernel} could not be launched directly"
+    for seed in (2, 3):  # new data, new buffers: the replay and the module agree exactly
+        q, k, v = make_inputs(shape, "cuda", seed=seed)
+        o1, l1 = torch.empty_like(q), torch.empty_like(lse)
+        o2, l2 = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+        kernel.forward(q, k, v, o1, l1, 0.1, True, 0)
+        launch(q, k, v, o2, l2)
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@gpu
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_backward_replay_or_module_launch_is_exact(dq_mode):
+    """The separate-dQ backward (three kernels, one scratch buffer) is bound and replays exactly;
+    the atomic one (a zeroed accumulator and a torch copy outside the kernels) is refused by the
+    replay check, and the call it was given still has the right gradients."""
+    shape = Shape(2, 4, 4, 1000, 1000, 64, True, "bfloat16", op="bwd")
+    device = gpu_fingerprint()
+    base = default_variant("bwd", shape.problem, device)
+    space = load_space("triton_bwd")
+    variant = space.nearest_valid(base.replace(DQ_MODE=dq_mode), shape.problem, device)
+    assert variant["DQ_MODE"] == dq_mode
+    kernel = codegen.load(variant)
+    q, k, v = make_inputs(shape, "cuda", seed=1)
+    out, lse = api.forward_with_lse(q, k, v, causal=True)
+    do = torch.randn_like(q)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    launch = kernel.bind_backward(q, k, v, out, lse, do, *grads, 0.125, True, 0)
+    ref = [torch.empty_like(t) for t in (q, k, v)]
+    kernel.backward(q, k, v, out, lse, do, *ref, 0.125, True, 0)
+    for g, r in zip(grads, ref):  # the bound call's own results are the module's
+        assert rel_error(g, r) <= 1e-2
+    if dq_mode == "atomic":
+        assert launch is None
+        return
+    assert launch is not None
+    q, k, v = make_inputs(shape, "cuda", seed=5)
+    out, lse = api.forward_with_lse(q, k, v, causal=True)
+    mine = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    theirs = [torch.empty_like(t) for t in (q, k, v)]
+    launch(q, k, v, out, lse, do, *mine)
+    kernel.backward(q, k, v, out, lse, do, *theirs, 0.125, True, 0)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_calls_launch_directly_and_stay_correct(causal):
+    """Repeated differentiable calls (the training memo and its direct launches): new data each
+    time, gradients against the float64 reference."""
+    api.reset()
+    shape = Shape(2, 8, 2, 1023, 1023, 128, causal, "bfloat16", op="bwd")
+    for seed in (1, 2, 3):
+        q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=seed))
+        do = torch.randn_like(q)
+        out = autoflash.attention(q, k, v, is_causal=causal, enable_gqa=True)
+        out.backward(do)
+        ref, _ = reference(q, k, v, causal, 0, 128 ** -0.5)
+        assert rel_error(out, ref) <= 2e-2
+        for t, r in zip((q, k, v), reference_grads(q, k, v, do, causal, 0, 128 ** -0.5)):
+            assert rel_error(t.grad, r) <= 3e-2
+    assert len(api.training_plans) == 1
+
+
+@gpu
+@pytest.mark.parametrize("page", [None, 16, 64])
+def test_decode_calls_launch_directly_and_stay_correct(page):
+    torch.manual_seed(0)
+    b, n, hq, hkv, d = 3, 4111, 32, 8, 128
+    for step in range(3):
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lens = torch.tensor([1, 37, n][: b], device="cuda", dtype=torch.int32).roll(step)
+        ref, _ = decode.torch_decode(q.double(), kc.double(), vc.double(), lens, None, d ** -0.5, False)
+        if page is None:
+            out = autoflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+        else:
+            from autoflash.bench_decode import _paged
+            kp, vp, table = _paged(kc, vc, page)
+            out = autoflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+        assert rel_error(out, ref) <= 2e-2
+    assert any(plan[1] for plan in decode._decode_plans.values())

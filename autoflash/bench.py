@@ -80,14 +80,17 @@ def _fwdbwd_fn(method: str, shape: Shape, q, k, v, grad) -> Callable[[], None] |
 
     import autoflash
     from autoflash import ops
+    from autoflash.training import EagerAttention
 
     gqa = shape.heads_q != shape.heads_kv
     if method == "autoflash":
         def fn():
             autoflash.attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa).backward(grad)
-    elif method == "autoflash-own":
+    elif method == "autoflash-own":  # the eager training path on the own pair (what is served where it won)
+        pair = ops.training_pair(q, k, v, shape.head_dim ** -0.5, shape.causal, 0)
+
         def fn():
-            ops.attn_fwd(q, k, v, shape.head_dim ** -0.5, shape.causal, 0)[0].backward(grad)
+            EagerAttention.apply(q, k, v, pair).backward(grad)
     else:
         which = sdpa_backend(method)
 

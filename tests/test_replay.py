@@ -70,7 +70,8 @@ def test_backward_replay_or_module_launch_is_exact(dq_mode):
     device = gpu_fingerprint()
     base = default_variant("bwd", shape.problem, device)
     space = load_space("triton_bwd")
-    variant = space.nearest_valid(base.replace(DQ_MODE=dq_mode), shape.problem, device)
+    tiles = {"BLOCK_M2": 64, "BLOCK_N2": 32} if dq_mode == "atomic" else {}  # (the space's rule for atomic)
+    variant = space.nearest_valid(base.replace(DQ_MODE=dq_mode, **tiles), shape.problem, device)
     assert variant["DQ_MODE"] == dq_mode
     kernel = codegen.load(variant)
     q, k, v = make_inputs(shape, "cuda", seed=1)

@@ -219,7 +219,7 @@ def _remember(plans: dict, q, k, v, causal, scale, enable_gqa, causal_offset, pl
 
 def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
     """The planned kernel call on (B, H, N, D) views: output in q's memory layout, differentiable
-    when needed. An inference call stores its plan for `_repeat_inference_call`."""
+    when needed. The call stores its plan for `_repeat_call`."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     own_only = causal and causal_offset != 0  # a vendor kernel's causal mask is top-left only
     if torch.compiler.is_compiling():
@@ -231,6 +231,14 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
         plan = _training_plan(q, k, v, sm_scale, causal, causal_offset, own_only)
         if memoize:
             _remember(training_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
+        return plan(q, k, v)
+    if _decode_shaped(q, k, causal, causal_offset):
+        from autoflash import decode
+
+        def plan(q, k, v):
+            return decode.short_query_attention(q, k, v, sm_scale, causal)
+        if memoize:
+            _remember(inference_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
         return plan(q, k, v)
     out = torch.empty_like(q)
     kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=own_only)
@@ -273,6 +281,18 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
         except RuntimeError:  # the backend refused these tensors after all: autoflash's pair serves
             return own(q, k, v)
     return vendor_pair
+
+
+DECODE_MAX_QUERY = 16  # query lengths up to this (decoding, speculative decoding) take the decode kernels
+
+
+def _decode_shaped(q, k, causal: bool, causal_offset: int) -> bool:
+    """A decoding step: a few query tokens against a longer cache. The decode kernels hold all the
+    query heads of a KV head in one tile and split the cache across programs (a forward kernel
+    would pad each head's few rows to a 64-128-row tile and stream the cache once per query head).
+    Their causal mask is bottom-right: taken only where the call's mask is the same."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    return n_q <= DECODE_MAX_QUERY and n_k > n_q and (not causal or causal_offset == n_k - n_q)
 
 
 def _vendor_plan(kernel, sm_scale: float, causal: bool, causal_offset: int):

@@ -168,21 +168,26 @@ def dispatch_overhead(calls: int = 2000, repeats: int = 7) -> dict:
     return result
 
 
-def llama_step_times(batch: int = 4, seqlen: int = 2048, rounds: int = 3) -> dict:
-    """A small random-weight Llama (bf16, 8 layers, hidden 2048, 16 query / 4 KV heads of 128) from a
-    config, run with transformers' "sdpa" attention and with autoflash's registered implementation:
-    median ms of an inference forward and of a training step (forward+backward), interleaved
-    rounds in one process, plus the logits' relative difference."""
+def _small_llama(max_positions: int):
+    """The random-weight Llama of `bench --llama` (bf16, 8 layers, hidden 2048, 16 query / 4 KV
+    heads of 128) and autoflash's registered attention name."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import autoflash.integrations.transformers as aft
 
     name = aft.register()
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=seqlen)
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max_positions)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seqlen), device="cuda")
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16), name
+
+
+def llama_step_times(batch: int = 4, seqlen: int = 2048, rounds: int = 3) -> dict:
+    """The small Llama run with transformers' "sdpa" attention and with autoflash's registered
+    implementation: median ms of an inference forward and of a training step (forward+backward),
+    interleaved rounds in one process, plus the logits' relative difference."""
+    model, name = _small_llama(seqlen)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seqlen), device="cuda")
 
     def infer():
         with torch.no_grad():
@@ -205,6 +210,40 @@ def llama_step_times(batch: int = 4, seqlen: int = 2048, rounds: int = 3) -> dic
     err = ((logits[name] - logits["sdpa"]).norm() / logits["sdpa"].norm()).item()
     return {"name": name, "logits_rel_diff": err,
             "ms": {key: statistics.median(t) for key, t in times.items()}}
+
+
+def llama_generate(batch: int = 4, prompt: int = 1024, new_tokens: int = 128, rounds: int = 3) -> dict:
+    """Greedy `generate()` of the small Llama with "sdpa" and with autoflash's attention (its decoding
+    steps take the decode kernels): the tokens of both, where they first differ, and tokens/s
+    (new tokens of the batch per second, median of interleaved rounds, wall clock with the GPU
+    synchronized)."""
+    import time
+
+    model, name = _small_llama(prompt + new_tokens)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                  pad_token_id=0)
+
+    impls = ("sdpa", name)
+    tokens, seconds = {}, {impl: [] for impl in impls}
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        tokens[impl] = generate()[:, prompt:]
+    for _ in range(rounds):
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            generate()
+            torch.cuda.synchronize()
+            seconds[impl].append(time.perf_counter() - t0)
+    same = tokens["sdpa"] == tokens[name]
+    first = [int((~row).nonzero()[0]) if not row.all() else None for row in same]
+    return {"name": name, "same_tokens": bool(same.all()), "first_difference": first,
+            "tokens_per_s": {impl: batch * new_tokens / statistics.median(t) for impl, t in seconds.items()}}
 
 
 def fmt_tflops(x: float) -> str:

@@ -172,9 +172,15 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 
 def _allocate_scratch(size: int, alignment: int, stream):
-    """Global scratch for in-kernel tensor descriptors (Triton asks for it at launch)."""
-    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
-    return torch.empty(size, dtype=torch.int8, device=device)
+    """Global scratch for in-kernel tensor descriptors (Triton asks for it at every launch of such a
+    kernel: kept cheap, the environment is read before asking torch about CUDA)."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreted or not _has_cuda() else "cuda")
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
 
 
 def ensure_allocator() -> None:

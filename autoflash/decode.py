@@ -162,6 +162,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return (out, lse) if return_softmax_lse else out
 
 
+def short_query_attention(q, k, v, sm_scale: float, causal: bool):
+    """`autoflash.attention`'s decoding steps: q (B, H, N_q, D) with a few query tokens, k, v
+    (B, H_kv, N_k, D) the whole cache (any strides); causal bottom-right. Output in q's memory
+    layout. The decode kernels see (B, N, H, D) views: nothing is copied."""
+    qd, kd, vd = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = torch.empty_like(qd)
+    lse = torch.empty((q.shape[0], q.shape[1], q.shape[2]), device=q.device, dtype=torch.float32)
+    _launch(qd, kd, vd, out, lse, sm_scale, causal, _full_lengths(q.shape[0], k.shape[2], q.device), None, 0, None)
+    return out.transpose(1, 2)
+
+
+_FULL_LENGTHS: dict[tuple, torch.Tensor] = {}
+
+
+def _full_lengths(batch: int, n: int, device) -> torch.Tensor:
+    """cache_seqlens of caches used whole, (batch,) int32, kept per (batch, length, device): never
+    written (the kernels only read them), so one tensor serves every call."""
+    key = (batch, n, device)
+    lengths = _FULL_LENGTHS.get(key)
+    if lengths is None:
+        if len(_FULL_LENGTHS) > 256:
+            _FULL_LENGTHS.clear()
+        lengths = _FULL_LENGTHS[key] = torch.full((batch,), n, dtype=torch.int32, device=device)
+    return lengths
+
+
 # A decode call's signature -> its direct launcher (or False: launch through the kernel module).
 # Decoding repeats one signature per layer and step: the dispatcher lookup and Triton's per-launch
 # host path would otherwise cost more than the kernel takes on short caches.

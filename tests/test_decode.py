@@ -149,6 +149,10 @@ def test_split_heuristic():
     assert 2 <= s <= 64
     assert module.num_splits_for(1, 1, 1, 10, 132) == 1  # one KV tile: nothing to split
     assert module.num_splits_for(1, 1, 1, 4096, 132, requested=3) == 3
+    # a paged cache: at least 4 programs per SM (16 x 8 programs -> 5 splits), never more splits than tiles
+    assert module.num_splits_for(16, 8, 1, 32768, 132, paged=True) == 5
+    assert module.num_splits_for(16, 8, 1, 32768, 132) == 1
+    assert module.num_splits_for(1, 1, 1, 100, 132, paged=True) == -(-100 // module.BLOCK_N)
 
 
 # --------------------------------------------------------------------------- appending k/v
@@ -387,3 +391,29 @@ def test_unused_block_table_entries_are_not_checked():
     ref, _ = decode.torch_decode(a["q"], a["k_cache"], a["v_cache"], a["cache_seqlens"],
                                  a["block_table"].clamp(min=0), 0.25, False)
     torch.testing.assert_close(out, ref)
+
+
+# --------------------------------------------------------------------------- routing from the API
+@pytest.mark.interpreter
+@pytest.mark.parametrize("q_len, causal", [(1, False), (3, True), (16, False)])
+def test_short_queries_through_the_api_run_the_decode_kernels(q_len, causal, monkeypatch):
+    """`flash_attn_func` / `attention` calls with a few query tokens against a longer cache (what a
+    model's generate() makes) are served by the decode family, with the call's own semantics."""
+    from autoflash.reference import reference
+
+    api.reset()
+    launched = []
+    real = decode._launch
+    monkeypatch.setattr(decode, "_launch", lambda *a, **kw: launched.append(a[0].shape) or real(*a, **kw))
+    g = torch.Generator().manual_seed(q_len)
+    q = torch.randn(2, q_len, 8, 32, generator=g)
+    k, v = (torch.randn(2, 77, 2, 32, generator=g) for _ in range(2))
+    out = api.flash_attn_func(q, k, v, causal=causal)  # bottom-right causal, GQA 8/2, (B, N, H, D)
+    ref, _ = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, 77 - q_len, 32 ** -0.5)
+    assert launched and (out.transpose(1, 2) - ref).abs().max() < 1e-4
+    if not causal:  # the SDPA form (top-left causal never routes here: it differs from bottom-right)
+        out = api.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+        assert len(launched) == 2 and (out - ref).abs().max() < 1e-4
+    launched.clear()
+    api.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+    assert not launched  # top-left causal with N_q < N_k: the forward kernel, which has that mask

@@ -28,6 +28,20 @@ def _llama(bench_mod, device, rounds):
     console.print(f"logits vs sdpa: relative difference {r['logits_rel_diff']:.2e}")
 
 
+def _generate(bench_mod, device, rounds):
+    r = bench_mod.llama_generate(rounds=rounds)
+    t = Table(title=f"Llama generate() (8 layers, GQA 16/4, d128, bf16; batch 4, prompt 1024, 128 new tokens, greedy) "
+                    f"on {device.name}")
+    for col in ("attention", "tokens/s", "speed-up"):
+        t.add_column(col)
+    base = r["tokens_per_s"]["sdpa"]
+    for impl, rate in r["tokens_per_s"].items():
+        t.add_row(impl, f"{rate:.0f}", f"{rate / base:.3f}x")
+    console.print(t)
+    console.print("greedy tokens: " + ("the same as sdpa's" if r["same_tokens"] else
+                                       f"differ from sdpa's; first difference per sequence: {r['first_difference']}"))
+
+
 def _save(bench_mod, rows, methods, title, md_path, plot_path, base=None, json_path=None, metric="fwd_tflops"):
     extra = {} if base is None else {"base": base}
     if json_path:
@@ -148,6 +162,9 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
 @click.option("--overhead", is_flag=True, help="Per-call host overhead of autoflash.attention vs a bare kernel launch.")
 @click.option("--llama", is_flag=True,
               help="A small random-weight Llama (transformers) with 'sdpa' vs autoflash's attention: ms per step.")
+@click.option("--generate", is_flag=True,
+              help="The same Llama's greedy generate() with 'sdpa' vs autoflash (decoding steps on the decode "
+                   "kernels): tokens/s and whether the tokens agree.")
 @click.option("--op", type=click.Choice(["fwd", "bwd", "decode"]), default="fwd", show_default=True,
               help="Time the forward or the backward kernels (without --fwdbwd/--overhead/--llama), or decode "
                    "(flash_attn_with_kvcache, one query token, contiguous and paged caches; TB/s of K and V).")
@@ -157,8 +174,8 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
                    "value that template does not know renders as that template treats it.")
 @click.option("--interpret", is_flag=True,
               help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
-def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhead, llama, op, baseline_template,
-          interpret):
+def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhead, llama, generate, op,
+          baseline_template, interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of do_bench medians.
@@ -169,8 +186,8 @@ def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhea
     if interpret:
         use_interpreter()
         shapes = "tiny" if shapes == "standard" else shapes
-        if fwdbwd or overhead or llama:
-            raise click.ClickException("--fwdbwd, --overhead and --llama need a CUDA GPU")
+        if fwdbwd or overhead or llama or generate:
+            raise click.ClickException("--fwdbwd, --overhead, --llama and --generate need a CUDA GPU")
     else:
         require_gpu("autoflash bench", " Use --interpret to check the pipeline on tiny shapes on the CPU.")
     from autoflash import bench as bench_mod
@@ -181,6 +198,8 @@ def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhea
         return _overhead(bench_mod, device)
     if llama:
         return _llama(bench_mod, device, rounds)
+    if generate:
+        return _generate(bench_mod, device, rounds)
     if op == "decode":
         return _decode(device, rounds, interpret, md_path, json_path)
     shape_list = load_shapes(shapes, op)

@@ -15,8 +15,9 @@ import warnings
 
 import torch
 
+from autoflash import decode_kernels
 from autoflash.kernel_cache import KernelCacheError
-from autoflash.device import interpreter_enabled
+from autoflash.device import interpreter_enabled, interpreter_numpy_problem
 from autoflash.dispatch import get_dispatcher
 from autoflash.reference import sdpa_attention
 
@@ -113,8 +114,8 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
         return f"{q.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)"
     if interpreter_enabled() and q.dtype == torch.bfloat16:
         return "bfloat16 is not computed correctly by Triton's CPU interpreter"
-    if interpreter_enabled() and INTERPRETER_NUMPY_PROBLEM:
-        return INTERPRETER_NUMPY_PROBLEM
+    if interpreter_enabled() and interpreter_numpy_problem():
+        return interpreter_numpy_problem()
     d, dv = q.shape[-1], v.shape[-1]
     if dv != d:
         return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
@@ -123,23 +124,6 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor (zero batch, heads, sequence or head dim)"
     return None
-
-
-def _interpreter_numpy_problem() -> str | None:
-    """Triton 3.6's interpreter fails with numpy >= 2.4 ("only 0-dimensional arrays can be
-    converted"); newer Triton releases do not. Checked here, where it matters, not by a pin."""
-    import numpy
-    import triton
-
-    from autoflash.space import triton_release
-
-    numpy_release = tuple(int(x) for x in numpy.__version__.split(".")[:2] if x.isdigit())
-    if triton_release(triton.__version__) <= (3, 6) and numpy_release >= (2, 4):
-        return f"Triton {triton.__version__}'s CPU interpreter needs numpy < 2.4 (installed: {numpy.__version__})"
-    return None
-
-
-INTERPRETER_NUMPY_PROBLEM = _interpreter_numpy_problem()
 
 
 def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scale: float | None = None,
@@ -168,7 +152,7 @@ def _needs_autograd(q, k, v) -> bool:
 # differentiable ones. A repeated call with the same signature launches at once (`_repeat_call`).
 inference_plans: dict[tuple, object] = {}
 training_plans: dict[tuple, object] = {}
-PLAN_MEMOS = [inference_plans, training_plans]  # (the decode functions add theirs)
+PLAN_MEMOS = [inference_plans, training_plans, decode_kernels.decode_plans]
 MAX_PLANS = 4096
 
 
@@ -233,10 +217,8 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
             _remember(training_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
         return plan(q, k, v)
     if _decode_shaped(q, k, causal, causal_offset):
-        from autoflash import decode
-
         def plan(q, k, v):
-            return decode.short_query_attention(q, k, v, sm_scale, causal)
+            return decode_kernels.short_query_attention(q, k, v, sm_scale, causal)
         if memoize:
             _remember(inference_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
         return plan(q, k, v)

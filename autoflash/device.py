@@ -83,3 +83,16 @@ def gpu_fingerprint(device_index: int | None = None) -> GPUFingerprint:
                           sm_count=1, smem_per_block=232448, **versions)
 
 
+@functools.cache
+def interpreter_numpy_problem() -> str | None:
+    """Triton 3.6's interpreter fails with numpy >= 2.4 ("only 0-dimensional arrays can be
+    converted"); newer Triton releases do not. Checked here, where it matters, not by a pin."""
+    import numpy
+    import triton
+
+    from autoflash.space import triton_release
+
+    numpy_release = tuple(int(x) for x in numpy.__version__.split(".")[:2] if x.isdigit())
+    if triton_release(triton.__version__) <= (3, 6) and numpy_release >= (2, 4):
+        return f"Triton {triton.__version__}'s CPU interpreter needs numpy < 2.4 (installed: {numpy.__version__})"
+    return None

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from autoflash import api, decode
+from autoflash import api, decode, decode_kernels
 from autoflash.api import FallbackError, FallbackWarning
 from autoflash.decode import flash_attn_varlen_func, flash_attn_with_kvcache
 from autoflash.device import gpu_fingerprint
@@ -143,7 +143,7 @@ def test_strided_q_and_scale():
 
 @pytest.mark.interpreter
 def test_split_heuristic():
-    module = decode.load_kernel(dict(decode.default_knobs(torch.float16, 128, 4, 1, 4096, False))).module
+    module = decode_kernels.load_kernel(dict(decode_kernels.default_knobs(torch.float16, 128, 4, 1, 4096, False))).module
     assert module.num_splits_for(64, 8, 1, 4096, 132) == 1  # 512 programs fill 132 SMs
     s = module.num_splits_for(1, 8, 1, 4096, 132)
     assert 2 <= s <= 64
@@ -327,22 +327,22 @@ def test_bf16_falls_back_once_and_strict(monkeypatch):
 
 
 def test_space_parses_and_defaults_are_valid():
-    space = decode.decode_space()
+    space = decode_kernels.decode_space()
     assert space.op == "decode" and space.family == "triton_decode"
     for d in (64, 128, 256):
         for dtype in (torch.float16, torch.float32):
-            knobs = dict(decode.default_knobs(dtype, d, 4, 1, 4096, False))
-            problem = decode.decode_problem(dtype, d, 1, 1, 4, 1, 4096, False, 1)
-            assert not space.violations(Variant.of(decode.FAMILY, knobs), problem, gpu_fingerprint())
+            knobs = dict(decode_kernels.default_knobs(dtype, d, 4, 1, 4096, False))
+            problem = decode_kernels.decode_problem(dtype, d, 1, 1, 4, 1, 4096, False, 1)
+            assert not space.violations(Variant.of(decode_kernels.FAMILY, knobs), problem, gpu_fingerprint())
     assert all("measured" not in m or m for _w, _v, m in space.defaults)
 
 
 def test_every_knob_value_renders():
-    space = decode.decode_space()
+    space = decode_kernels.decode_space()
     base = dict(space.defaults[0][1])
     for knob, choices in space.knobs.items():
         for choice in choices:
-            module = decode.load_kernel({**base, knob: choice}).module
+            module = decode_kernels.load_kernel({**base, knob: choice}).module
             assert module.OP == "decode" and module.LOADS == "pointer"
 
 
@@ -403,8 +403,8 @@ def test_short_queries_through_the_api_run_the_decode_kernels(q_len, causal, mon
 
     api.reset()
     launched = []
-    real = decode._launch
-    monkeypatch.setattr(decode, "_launch", lambda *a, **kw: launched.append(a[0].shape) or real(*a, **kw))
+    real = decode_kernels.launch
+    monkeypatch.setattr(decode_kernels, "launch", lambda *a, **kw: launched.append(a[0].shape) or real(*a, **kw))
     g = torch.Generator().manual_seed(q_len)
     q = torch.randn(2, q_len, 8, 32, generator=g)
     k, v = (torch.randn(2, 77, 2, 32, generator=g) for _ in range(2))

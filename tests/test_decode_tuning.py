@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from autoflash import api, codegen, decode
+from autoflash import decode_kernels, api, codegen, decode
 from autoflash.device import gpu_fingerprint
 from autoflash.problem import Shape
 from autoflash.space import load_space
@@ -23,7 +23,7 @@ SHAPE = Shape(batch=2, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=64, head_dim=
 
 
 def test_the_gate_passes_the_default_decode_kernel_and_refuses_a_wrong_one():
-    kernel = decode.load_kernel(dict(decode.default_knobs(torch.float16, 32, 2, 1, 64, False)))
+    kernel = decode_kernels.load_kernel(dict(decode_kernels.default_knobs(torch.float16, 32, 2, 1, 64, False)))
     for shape in (SHAPE, Shape(**{**SHAPE.__dict__, "seqlen_q": 4, "causal": True})):
         result = check(kernel, shape, "cpu")
         assert result.passed, result.detail
@@ -60,9 +60,9 @@ def test_decode_problems_are_tuned_and_then_served_exact(tmp_path):
 def test_flash_attn_with_kvcache_serves_the_tuned_decode_winner(tmp_path, monkeypatch):
     q = torch.randn(2, 1, 4, 32, dtype=torch.float16)
     cache = torch.randn(2, 64, 2, 32, dtype=torch.float16)
-    problem = decode.decode_problem(q.dtype, 32, 2, 2, 2, 1, 64, False, DEVICE.sm_count)
+    problem = decode_kernels.decode_problem(q.dtype, 32, 2, 2, 2, 1, 64, False, DEVICE.sm_count)
     assert problem == SHAPE.problem  # the tensors' key is the shape set's key
-    tuned = load_space("triton_decode").check_declared({**dict(decode.default_knobs(q.dtype, 32, 2, 1, 64, False)),
+    tuned = load_space("triton_decode").check_declared({**dict(decode_kernels.default_knobs(q.dtype, 32, 2, 1, 64, False)),
                                                         "BLOCK_N": 32, "NUM_SPLITS": 2})
     store = Store(tmp_path / "user.db")
     store.add_gpu(DEVICE)
@@ -72,12 +72,12 @@ def test_flash_attn_with_kvcache_serves_the_tuned_decode_winner(tmp_path, monkey
     monkeypatch.setenv("AUTOFLASH_DB", str(tmp_path / "user.db"))
     api.reset()
     try:
-        assert decode._served_knobs(q, cache, 64, False, None) == tuned.as_dict()
+        assert decode_kernels._served_knobs(q, cache, 64, False, None) == tuned.as_dict()
         lens = torch.tensor([0, 40], dtype=torch.int32)
         out = decode.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens)
         ref, _ = decode.torch_decode(q.double(), cache.double(), cache.double(), lens, None, 32 ** -0.5, False)
         assert float((out.double() - ref).norm() / ref.norm()) < 2e-3
         # a caller's override still applies on top of the tuned winner
-        assert decode._served_knobs(q, cache, 64, False, {"BLOCK_N": 64})["NUM_SPLITS"] == 2
+        assert decode_kernels._served_knobs(q, cache, 64, False, {"BLOCK_N": 64})["NUM_SPLITS"] == 2
     finally:
         api.reset()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autoflash
-from autoflash import api, codegen, decode
+from autoflash import api, codegen, decode, decode_kernels
 from autoflash.device import gpu_fingerprint
 from autoflash.problem import Shape
 from autoflash.reference import make_inputs, reference, reference_grads, rel_error
@@ -132,4 +132,4 @@ def test_decode_calls_launch_directly_and_stay_correct(page):
             kp, vp, table = _paged(kc, vc, page)
             out = autoflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
         assert rel_error(out, ref) <= 2e-2
-    assert any(plan[1] for plan in decode._decode_plans.values())
+    assert any(plan[1] for plan in decode_kernels.decode_plans.values())

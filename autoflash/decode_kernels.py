@@ -1,0 +1,113 @@
+"""The decode family's kernels as the runtime uses them: the problem key of a decode call, the
+served knobs (a tuned winner or the space's default), and launching them, directly after a call
+signature's first launch (`replay`). Below the public functions (`decode`, `api`): both call it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autoflash import codegen
+from autoflash.device import gpu_fingerprint, launch_sm_count
+from autoflash.dispatch import get_dispatcher
+from autoflash.problem import Problem, dtype_name, seqlen_bucket, shape_work_bucket
+from autoflash.space import Variant, default_variant, load_space
+
+FAMILY = "triton_decode"
+
+
+def decode_space():
+    """The decode family's search space."""
+    return load_space(FAMILY)
+
+
+def decode_problem(dtype: torch.dtype, head_dim: int, batch: int, kv_heads: int, group: int, q_len: int,
+                   capacity: int, causal: bool, sm_count: int) -> Problem:
+    """The tuning and dispatch key of a decode call (the cache's capacity is its length bucket)."""
+    return Problem(op="decode", dtype=dtype_name(dtype), head_dim=head_dim, causal=causal, gqa_group=group,
+                   seqlen_q=seqlen_bucket(q_len), seqlen_k=seqlen_bucket(max(capacity, 1)),
+                   work=shape_work_bucket("decode", batch, kv_heads * group, kv_heads, q_len, capacity, sm_count))
+
+
+def default_knobs(dtype: torch.dtype, head_dim: int, group: int, q_len: int, seqlen_k: int, causal: bool) -> tuple:
+    """The space's [[defaults]] for this problem made valid here (fewest knobs changed), as sorted
+    (knob, value) items: what runs where no tuned winner applies."""
+    problem = decode_problem(dtype, head_dim, 1, 1, group, q_len, seqlen_k, causal, 1)
+    return tuple(sorted(default_variant("decode", problem, gpu_fingerprint()).as_dict().items()))
+
+
+def load_kernel(knobs: dict):
+    """The decode family's compiled `codegen.Kernel` for these knobs (validated against the space)."""
+    return codegen.load(Variant.of(FAMILY, knobs))
+
+
+def _served_knobs(q, k_cache, capacity: int, causal: bool, variant) -> dict:
+    """The tuned winner of this call's decode problem (exact or nearest bucket), else the default;
+    a caller's `variant` overrides knobs (checked against the space)."""
+    batch, q_len, heads, head_dim = q.shape
+    device = gpu_fingerprint(q.device.index if q.is_cuda else None)
+    problem = decode_problem(q.dtype, head_dim, batch, k_cache.shape[2], heads // k_cache.shape[2], q_len,
+                             capacity, causal, device.sm_count)
+    knobs = get_dispatcher().serving_variant(problem, device).as_dict()
+    if variant:
+        knobs = decode_space().check_declared({**knobs, **variant}).as_dict()
+    return knobs
+
+
+def short_query_attention(q, k, v, sm_scale: float, causal: bool):
+    """`autoflash.attention`'s decoding steps: q (B, H, N_q, D) with a few query tokens, k, v
+    (B, H_kv, N_k, D) the whole cache (any strides); causal bottom-right. Output in q's memory
+    layout. The decode kernels see (B, N, H, D) views: nothing is copied."""
+    qd, kd, vd = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = torch.empty_like(qd)
+    lse = torch.empty((q.shape[0], q.shape[1], q.shape[2]), device=q.device, dtype=torch.float32)
+    launch(qd, kd, vd, out, lse, sm_scale, causal, _full_lengths(q.shape[0], k.shape[2], q.device), None, 0, None)
+    return out.transpose(1, 2)
+
+
+_FULL_LENGTHS: dict[tuple, torch.Tensor] = {}
+
+
+def _full_lengths(batch: int, n: int, device) -> torch.Tensor:
+    """cache_seqlens of caches used whole, (batch,) int32, kept per (batch, length, device): never
+    written (the kernels only read them), so one tensor serves every call."""
+    key = (batch, n, device)
+    lengths = _FULL_LENGTHS.get(key)
+    if lengths is None:
+        if len(_FULL_LENGTHS) > 256:
+            _FULL_LENGTHS.clear()
+        lengths = _FULL_LENGTHS[key] = torch.full((batch,), n, dtype=torch.int32, device=device)
+    return lengths
+
+
+# A decode call's signature -> its direct launcher (or False: launch through the kernel module).
+# Decoding repeats one signature per layer and step: the dispatcher lookup and Triton's per-launch
+# host path would otherwise cost more than the kernel takes on short caches.
+decode_plans: dict[tuple, tuple] = {}
+
+
+def launch(q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table, num_splits, variant) -> None:
+    paged = block_table is not None
+    signature = None
+    if variant is None and q.is_cuda:
+        signature = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
+                     block_table.shape if paged else None, block_table.stride() if paged else None,
+                     causal, scale, num_splits,
+                     *(not t.data_ptr() & 15 for t in (q, k_cache, v_cache, seqlens, block_table) if t is not None))
+        plan = decode_plans.get(signature)
+        if plan is not None and plan[1]:
+            plan[1](q, k_cache, v_cache, out, lse, seqlens, *((block_table,) if paged else ()))
+            return
+    if signature is not None and signature in decode_plans:
+        kernel = decode_plans[signature][0]  # (planned, but not bound: through the kernel module)
+    else:
+        capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+        kernel = load_kernel(_served_knobs(q, k_cache, capacity, causal, variant))
+    args = (q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table)
+    options = dict(sm_count=launch_sm_count(q.device), num_splits=num_splits or None)
+    if signature is None or signature in decode_plans:
+        kernel.decode(*args, **options)
+        return
+    if len(decode_plans) > 1024:
+        decode_plans.clear()
+    decode_plans[signature] = (kernel, kernel.bind_decode(*args, **options) or False)  # (runs this call)

@@ -248,10 +248,12 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
     from autoflash import ops
     from autoflash.training import EagerAttention
 
-    pair = ops.training_pair(q, k, v, sm_scale, causal, causal_offset)
+    pairs = []  # the own pair, built at its first use (not at all while a vendor pair serves)
 
     def own(q, k, v):
-        return EagerAttention.apply(q, k, v, pair)
+        if not pairs:
+            pairs.append(ops.training_pair(q, k, v, sm_scale, causal, causal_offset))
+        return EagerAttention.apply(q, k, v, pairs[0])
 
     vendor = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only)
     if not vendor.vendor:

@@ -74,9 +74,9 @@ def _full_lengths(batch: int, n: int, device) -> torch.Tensor:
     key = (batch, n, device)
     lengths = _FULL_LENGTHS.get(key)
     if lengths is None:
-        if len(_FULL_LENGTHS) > 256:
-            _FULL_LENGTHS.clear()
-        lengths = _FULL_LENGTHS[key] = torch.full((batch,), n, dtype=torch.int32, device=device)
+        lengths = torch.full((batch,), n, dtype=torch.int32, device=device)
+        if len(_FULL_LENGTHS) < 1024:  # (kept, never freed: a kernel in flight may still read one)
+            _FULL_LENGTHS[key] = lengths
     return lengths
 
 

@@ -5,8 +5,10 @@ Shapes, dtypes and devices are checked on the host. The values of cache_seqlens 
 one host sync, which a decode step cannot afford on every call (the GPU would idle while the
 host prepares the next launch). They are checked once per tensor state: a tensor whose values
 passed is remembered by identity and version counter (`torch.Tensor._version`, bumped by every
-in-place write through torch), and is checked again only after it changed. cu_seqlens are read
-on the host anyway (the varlen loop needs them).
+in-place write through torch), and is checked again only after it changed. Writes that torch does
+not see (a custom kernel, `.data`, DLPack) do not bump it: such a change is not re-checked, and the
+decode kernels clamp every length and block-table entry into the cache, so it can never make them
+read outside it. cu_seqlens are read on the host anyway (the varlen loop needs them).
 """
 
 from __future__ import annotations

@@ -20,8 +20,11 @@ Arguments are mapped, never guessed:
 Then the replay is checked before it is returned: the outputs of the real launch are kept, the
 output tensors and every scratch buffer are poisoned (NaN), the replay runs, and it must reproduce
 the outputs bit for bit. A module that does work outside its JIT launches (a torch copy, a zeroed
-accumulator), reads tensor values on the host, or is not deterministic fails that check and is
-not bound (None): the caller keeps calling the module, which stays correct.
+accumulator) or is not deterministic fails that check and is not bound (None): the caller keeps
+calling the module, which stays correct. What the check cannot see, and the contract of a kernel
+module therefore is: its launch depends on its tensors' shapes, strides, dtypes and device and on
+its scalar arguments, never on tensor values read on the host (a replay would freeze them).
+A call whose tensors alias one another (q is k) is not bound.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import threading
 
 import torch
 
@@ -47,26 +51,32 @@ def bind(module, run, tensors: tuple, outputs: tuple[int, ...], before_launch=No
         return None
     module_jits = [f for f in vars(module).values() if isinstance(f, JITFunction)]
     records = []
+    recording_thread = threading.get_ident()
 
     def recorder(jit):
         def record(*args, **kwargs):  # (Triton's keyword-only grid/warmup: taken as they come)
             compiled = JITFunction.run(jit, *args, **kwargs)
-            records.append((jit, args, kwargs, compiled))
+            if threading.get_ident() == recording_thread:  # (another thread's launch of this module is not ours)
+                records.append((jit, args, kwargs, compiled))
             return compiled
         return record
 
-    for jit in module_jits:
-        jit.run = recorder(jit)  # an instance attribute: shadows the method for this one call
-    try:
-        run()
-    finally:
+    with _RECORDING:  # one recording at a time: the patch below is on the shared module
         for jit in module_jits:
-            vars(jit).pop("run", None)
+            jit.run = recorder(jit)  # an instance attribute: shadows the method for this one call
+        try:
+            run()
+        finally:
+            for jit in module_jits:
+                vars(jit).pop("run", None)
     try:
         plan = _Plan(records, tensors, before_launch)
     except _NotBindable:
         return None
     return plan.launch if plan.verified(tensors, outputs) else None
+
+
+_RECORDING = threading.Lock()
 
 
 def _bindable(tensors) -> bool:
@@ -92,6 +102,10 @@ class _Plan:
     def __init__(self, records: list, tensors: tuple, before_launch):
         if not records:
             raise _NotBindable("no JIT launch recorded")
+        if len({id(t) for t in tensors}) < len(tensors):
+            # (q is k is v, or k_cache is v_cache: a slot taken from "the" tensor would be replayed
+            # from one slot for calls whose tensors differ, and no memo key sees the aliasing)
+            raise _NotBindable("one tensor passed in several slots")
         self.scratch: list[tuple] = []  # (size, dtype) of each buffer the module allocated
         self._scratch_of: dict[int, tuple[int, int]] = {}  # storage -> (index, id of its tensor)
         self._storages = [t.untyped_storage().data_ptr() for t in tensors]
@@ -128,10 +142,11 @@ class _Plan:
         base = getattr(value, "base", None)
         if dataclasses.is_dataclass(value) and isinstance(base, torch.Tensor):
             base_fill = self._tensor_fill(base, tensors)
+            cls, fields = type(value), {k: v for k, v in vars(value).items() if k != "base"}  # (not the old base)
 
-            def descriptor(ts, scratch, value=value, base_fill=base_fill):
-                new = object.__new__(type(value))  # (no __post_init__: checked when it was recorded)
-                new.__dict__.update(value.__dict__)
+            def descriptor(ts, scratch):
+                new = object.__new__(cls)  # (no __post_init__: checked when it was recorded)
+                new.__dict__.update(fields)
                 new.base = base_fill(ts, scratch)
                 return new
             return descriptor
@@ -149,6 +164,8 @@ class _Plan:
             raise _NotBindable("a view of one of several call tensors sharing a buffer")
         if owners:  # a view of a call tensor: the same view of the new one
             i = owners[0]
+            if t.dtype != tensors[i].dtype:
+                raise _NotBindable("a view of a call tensor as another dtype")
             size, stride = tuple(t.shape), t.stride()
             delta = t.storage_offset() - tensors[i].storage_offset()
             return lambda ts, scratch: ts[i].as_strided(size, stride, ts[i].storage_offset() + delta)

@@ -74,6 +74,7 @@ class EagerAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (the backward kernels are not differentiable themselves)
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.pair.backward(q, k, v, out, lse, grad_out)

@@ -417,3 +417,22 @@ def test_short_queries_through_the_api_run_the_decode_kernels(q_len, causal, mon
     launched.clear()
     api.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
     assert not launched  # top-left causal with N_q < N_k: the forward kernel, which has that mask
+
+
+@pytest.mark.interpreter
+def test_kernel_clamps_lengths_and_pages_it_was_not_checked_for():
+    """Values the host checks are skipped for (a write torch did not see) cannot make the kernel
+    read outside the cache: lengths beyond the capacity and table entries outside the pages are
+    clamped (the answer is then the clamped one; the host check is what reports such input)."""
+    torch.manual_seed(0)
+    kernel = decode_kernels.load_kernel(dict(decode_kernels.default_knobs(torch.float32, 32, 2, 1, 64, False)))
+    q = torch.randn(2, 1, 4, 32)
+    pages = torch.randn(6, 16, 2, 32), torch.randn(6, 16, 2, 32)
+    table = torch.tensor([[0, 1, 2, 3], [-7, 4, 10 ** 6, 5]], dtype=torch.int32)
+    seqlens = torch.tensor([10 ** 6, -3], dtype=torch.int32)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 1)
+    kernel.decode(q, *pages, out, lse, 32 ** -0.5, False, seqlens, table)
+    clamped = torch.tensor([64, 0], dtype=torch.int32)  # capacity 4 pages x 16; no key
+    ref, _ = decode.torch_decode(q.double(), pages[0].double(), pages[1].double(), clamped, table.clamp(0, 5),
+                                 32 ** -0.5, False)
+    assert torch.allclose(out.double(), ref, atol=1e-4) and torch.isfinite(out).all()

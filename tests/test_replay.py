@@ -133,3 +133,31 @@ def test_decode_calls_launch_directly_and_stay_correct(page):
             out = autoflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
         assert rel_error(out, ref) <= 2e-2
     assert any(plan[1] for plan in decode_kernels.decode_plans.values())
+
+
+def test_a_call_whose_tensors_alias_is_not_bound():
+    """q is k is v at the first call: a plan taking every slot from one tensor would be replayed for
+    later calls whose tensors differ (no memo key sees aliasing), so such a call is never bound."""
+    from autoflash import replay
+
+    t = torch.zeros(2, 2)
+    with pytest.raises(replay._NotBindable):
+        replay._Plan([("record",)], (t, t, torch.zeros(2)), None)
+
+
+@gpu
+def test_aliased_first_call_then_distinct_tensors_stay_correct():
+    api.reset()
+    shape = Shape(2, 8, 8, 256, 256, 128, False, "bfloat16")
+    x = make_inputs(shape, "cuda", seed=1)[0]
+    autoflash.attention(x, x, x)
+    q, k, v = make_inputs(shape, "cuda", seed=2)
+    ref, _ = reference(q, k, v, False, 0, 128 ** -0.5)
+    assert rel_error(autoflash.attention(q, k, v), ref) <= 2e-2
+    for t in (q, k, v):
+        t.requires_grad_()
+    autoflash.attention(x.requires_grad_(), x, x).sum().backward()
+    out = autoflash.attention(q, k, v)
+    out.backward(torch.ones_like(out))
+    for t, r in zip((q, k, v), reference_grads(q, k, v, torch.ones_like(out), False, 0, 128 ** -0.5)):
+        assert rel_error(t.grad, r) <= 3e-2

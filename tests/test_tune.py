@@ -87,7 +87,8 @@ def test_tune_without_gpu_says_a_gpu_is_needed(monkeypatch):
 def test_faults_are_recorded_and_the_run_still_stores_a_winner(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFLASH_TEST_COUNTER", str(tmp_path / "counter"))
     store = Store(tmp_path / "t.db")
-    options = TuneOptions(trials=6, interpret=True, trial_timeout_s=8, evaluate_fn=faulty_evaluate)
+    # (a trial that hangs waits for the timeout; a generous one keeps a loaded machine from timing out the rest)
+    options = TuneOptions(trials=6, interpret=True, trial_timeout_s=20, evaluate_fn=faulty_evaluate)
     (result,) = tune([TINY], store, options)
     statuses = [r["status"] for r in store.db["trials"].rows_where(order_by="id")]
     assert statuses[:3] == ["runtime_error", "timeout", "crashed"], statuses

@@ -7,6 +7,7 @@ bf16 numerics on realistic decode shapes.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -436,3 +437,48 @@ def test_kernel_clamps_lengths_and_pages_it_was_not_checked_for():
     ref, _ = decode.torch_decode(q.double(), pages[0].double(), pages[1].double(), clamped, table.clamp(0, 5),
                                  32 ** -0.5, False)
     assert torch.allclose(out.double(), ref, atol=1e-4) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_kernels_compile_for_sm90(paged, tmp_path):
+    """The decode family's default compiles for Hopper on any machine (the CPU interpreter cannot see
+    a kernel that the GPU compiler refuses): split and combine kernels, contiguous and paged."""
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    from autoflash import codegen
+    from autoflash.space import triton_release
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and triton_release(triton.__version__) != (3, 6):
+        pytest.skip("with the interpreter on, only Triton 3.6 compiles for a GPU in the same process "
+                    f"(installed: {triton.__version__}, which keeps interpreting the kernel's builtins)")
+    variant = Variant.of(decode_kernels.FAMILY, dict(decode_kernels.default_knobs(torch.bfloat16, 128, 4, 1, 4096, False)))
+    path = tmp_path / "decode_sm90.py"
+    path.write_text(codegen.render(variant))
+    spec = importlib.util.spec_from_file_location("decode_sm90", path)
+    module = importlib.util.module_from_spec(spec)
+    with codegen.interpreter_off():
+        spec.loader.exec_module(module)
+    launches = []
+    for jit in (module._decode_split, module._decode_combine):  # what launch would build, captured
+        jit.warmup = (lambda jit: lambda *args, **kwargs: launches.append((jit, args, kwargs)))(jit)
+    q = torch.empty(3, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16) if paged else torch.empty(3, 640, 8, 128, dtype=torch.bfloat16)
+    module.launch(q, cache, cache.clone(), torch.empty_like(q), torch.empty(3, 32, 1), 0.1, False,
+                  torch.zeros(3, dtype=torch.int32), torch.zeros(3, 40, dtype=torch.int32) if paged else None,
+                  sm_count=132, compile_only=True)
+    assert [jit.fn.__name__ for jit, _, _ in launches] == ["_decode_split", "_decode_combine"]
+    for jit, args, kwargs in launches:
+        constexprs = {name: kwargs[name] for name in jit.arg_names if name in kwargs}
+        values = iter(args)
+        signature = {name: "constexpr" if name in constexprs else mangle_type(next(values)) for name in jit.arg_names}
+        assert next(values, None) is None, "launch passes more arguments than the kernel takes"
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+        with codegen.interpreter_off():
+            compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                      options=options)
+        assert compiled.asm["cubin"] and ".target sm_90a" in compiled.asm["ptx"]

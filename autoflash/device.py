@@ -90,9 +90,17 @@ def interpreter_numpy_problem() -> str | None:
     import numpy
     import triton
 
-    from autoflash.space import triton_release
-
     numpy_release = tuple(int(x) for x in numpy.__version__.split(".")[:2] if x.isdigit())
     if triton_release(triton.__version__) <= (3, 6) and numpy_release >= (2, 4):
         return f"Triton {triton.__version__}'s CPU interpreter needs numpy < 2.4 (installed: {numpy.__version__})"
     return None
+
+
+def triton_release(version: str) -> tuple[int, int]:
+    """'3.6.0' -> (3, 6); '3.9.0+git1234' -> (3, 9); unparsable -> (0, 0) (rules then take the
+    oldest release's view)."""
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return 0, 0

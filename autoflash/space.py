@@ -17,7 +17,7 @@ import tomllib
 from typing import Any, Iterable, Iterator, Mapping
 
 from autoflash import resources
-from autoflash.device import GPUFingerprint
+from autoflash.device import GPUFingerprint, triton_release
 from autoflash.problem import WORK_MAX, Problem
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -249,16 +249,6 @@ def device_names(problem: Problem, device: GPUFingerprint) -> dict:
     return dict(problem_names(problem), cc_major=device.cc_major, cc_minor=device.cc_minor,
                 smem_limit=device.smem_per_block, triton_major=triton_major, triton_minor=triton_minor,
                 on_gpu=device.on_gpu)
-
-
-def triton_release(version: str) -> tuple[int, int]:
-    """'3.6.0' -> (3, 6); '3.9.0+git1234' -> (3, 9); unparsable -> (0, 0) (rules then take the
-    oldest release's view)."""
-    parts = version.split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (IndexError, ValueError):
-        return 0, 0
 
 
 @functools.lru_cache(maxsize=None)

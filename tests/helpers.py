@@ -20,7 +20,7 @@ def default_for(op: str, dtype: str, head_dim: int, has_tma: bool = True, causal
 def _triton_release() -> tuple[int, int]:
     import triton
 
-    from autoflash.space import triton_release
+    from autoflash.device import triton_release
 
     return triton_release(triton.__version__)
 

@@ -451,7 +451,7 @@ def test_decode_kernels_compile_for_sm90(paged, tmp_path):
     from triton.runtime.jit import mangle_type
 
     from autoflash import codegen
-    from autoflash.space import triton_release
+    from autoflash.device import triton_release
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and triton_release(triton.__version__) != (3, 6):
         pytest.skip("with the interpreter on, only Triton 3.6 compiles for a GPU in the same process "

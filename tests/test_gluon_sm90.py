@@ -22,7 +22,7 @@ from autoflash import codegen  # noqa: E402
 
 import triton  # noqa: E402
 
-from autoflash.space import triton_release  # noqa: E402
+from autoflash.device import triton_release  # noqa: E402
 
 if triton_release(triton.__version__) != (3, 6):
     # The family's search space offers it on Triton 3.6 only (constraint gluon_api_of_triton_3_6):

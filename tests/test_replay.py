@@ -161,3 +161,22 @@ def test_aliased_first_call_then_distinct_tensors_stay_correct():
     out.backward(torch.ones_like(out))
     for t, r in zip((q, k, v), reference_grads(q, k, v, torch.ones_like(out), False, 0, 128 ** -0.5)):
         assert rel_error(t.grad, r) <= 3e-2
+
+
+@pytest.mark.interpreter
+def test_repeated_training_calls_use_one_plan_and_new_data():
+    """The training memo: one plan per call signature, reused with fresh tensors (new data, new
+    gradients) and still right against float64; a new layout of the incoming gradient is served too."""
+    api.reset()
+    shape = Shape(1, 4, 2, 37, 37, 32, True, "float32", op="bwd")
+    for seed, transposed_grad in ((1, False), (2, False), (3, True)):
+        q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cpu", seed=seed))
+        do = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2) if transposed_grad \
+            else torch.randn_like(q)
+        out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(do)
+        ref, _ = reference(q, k, v, True, 0, 32 ** -0.5)
+        assert rel_error(out, ref) <= 1e-4
+        for t, r in zip((q, k, v), reference_grads(q, k, v, do, True, 0, 32 ** -0.5)):
+            assert rel_error(t.grad, r) <= 1e-4
+    assert len(api.training_plans) == 1

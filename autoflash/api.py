@@ -114,8 +114,8 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
         return f"{q.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)"
     if interpreter_enabled() and q.dtype == torch.bfloat16:
         return "bfloat16 is not computed correctly by Triton's CPU interpreter"
-    if interpreter_enabled() and interpreter_numpy_problem():
-        return interpreter_numpy_problem()
+    if interpreter_enabled() and (numpy_problem := interpreter_numpy_problem()):
+        return numpy_problem
     d, dv = q.shape[-1], v.shape[-1]
     if dv != d:
         return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"

@@ -88,7 +88,7 @@ decode_plans: dict[tuple, tuple] = {}
 
 def launch(q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table, num_splits, variant) -> None:
     paged = block_table is not None
-    signature = None
+    signature = plan = None
     if variant is None and q.is_cuda:
         signature = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
                      block_table.shape if paged else None, block_table.stride() if paged else None,
@@ -98,14 +98,14 @@ def launch(q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table, n
         if plan is not None and plan[1]:
             plan[1](q, k_cache, v_cache, out, lse, seqlens, *((block_table,) if paged else ()))
             return
-    if signature is not None and signature in decode_plans:
-        kernel = decode_plans[signature][0]  # (planned, but not bound: through the kernel module)
+    if plan is not None:
+        kernel = plan[0]  # (planned, but not bound: through the kernel module)
     else:
         capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
         kernel = load_kernel(_served_knobs(q, k_cache, capacity, causal, variant))
     args = (q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table)
     options = dict(sm_count=launch_sm_count(q.device), num_splits=num_splits or None)
-    if signature is None or signature in decode_plans:
+    if signature is None or plan is not None:
         kernel.decode(*args, **options)
         return
     if len(decode_plans) > 1024:

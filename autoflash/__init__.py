@@ -9,6 +9,7 @@
 from autoflash._version import __version__  # noqa: E402
 
 from autoflash.api import attention, flash_attn_func  # noqa: E402
-from autoflash.decode import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
+from autoflash.decode import flash_attn_with_kvcache  # noqa: E402
+from autoflash.varlen import flash_attn_varlen_func  # noqa: E402
 
 __all__ = ["attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]

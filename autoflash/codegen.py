@@ -7,7 +7,8 @@ its includes, and the variant) and imported from there, in this process and the 
 The family contract. A rendered module defines `OP` ("fwd" | "bwd"), `LOADS` and
   launch(q, k, v, o, lse, sm_scale, is_causal, causal_offset, compile_only=False)               (fwd)
   launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, is_causal, causal_offset, compile_only=False) (bwd)
-and may define `supports(q, k, v, o) -> str | None` (why it cannot take these tensors). Everything
+and may define `supports(q, k, v, o) -> str | None` (why it cannot take these tensors) and
+`launch_varlen(...)` (packed variable-length sequences: see `Kernel.forward_varlen`/`backward_varlen`). Everything
 else (the dispatcher, the correctness gate, timing, bench) goes through `Kernel`, which owns the
 launch preparation (the TMA descriptor allocator, the TMA alignment check).
 
@@ -228,6 +229,27 @@ class Kernel:
         if self.uses_tma:
             ensure_allocator()
         self.module.launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset)
+
+    @property
+    def supports_varlen(self) -> bool:
+        """The module also takes packed variable-length sequences (`launch_varlen`)."""
+        return hasattr(self.module, "launch_varlen")
+
+    def forward_varlen(self, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
+                       causal: bool) -> None:
+        """Packed sequences: q, o (total_q, H, D), k, v (total_k, H_kv, D), lse (H, total_q) float32,
+        cu_seqlens int32 (B + 1,). Causal is bottom-right per sequence."""
+        if self.uses_tma:
+            ensure_allocator()
+        self.module.launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, causal)
+
+    def backward_varlen(self, q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                        max_seqlen_k: int, sm_scale: float, causal: bool) -> None:
+        """Gradients of `forward_varlen` (same layouts), written into dq, dk, dv."""
+        if self.uses_tma:
+            ensure_allocator()
+        self.module.launch_varlen(q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, sm_scale, causal)
 
     def attention(self, q, k, v, sm_scale: float, causal: bool, causal_offset: int = 0) -> torch.Tensor:
         """The output in q's memory layout (the log-sum-exp is discarded)."""

@@ -1,19 +1,14 @@
-"""Decode and serving: `flash_attn_with_kvcache` (paged or contiguous KV cache, Flash-Decoding) and
-`flash_attn_varlen_func` (packed variable-length sequences), with flash-attn's semantics.
+"""Decode and serving: `flash_attn_with_kvcache` (paged or contiguous KV cache, Flash-Decoding), with
+flash-attn's semantics (packed variable-length sequences: `autoflash.varlen`).
 
 `flash_attn_with_kvcache` runs the `triton_decode` family (templates/attn_decode.py.jinja,
 search_spaces/attn_decode.toml): one program per (KV split, batch, KV head) holds every query
 head of that GQA group (and every new query token), a second kernel combines the splits by their
 log-sum-exp. It is an inference function (not differentiable, as flash-attn's).
 
-`flash_attn_varlen_func` is, for now, a loop over the sequences calling the forward/backward
-kernels of `flash_attn_func` on views of the packed tensors (no padding, no copies in; one
-concatenation out; one host sync to read cu_seqlens). Differentiable.
-
 Bad input raises one `ValueError` naming the argument (`decode_validate`: checking the values of
-cache_seqlens and block_table costs one host sync, paid once per tensor state; cu_seqlens are
-read on the host; the value checks of the KV-cache call are skipped while a CUDA graph is being
-captured). Valid calls the kernels do not cover fall back to a torch
+cache_seqlens and block_table costs one host sync, paid once per tensor state, and is skipped
+while a CUDA graph is being captured). Valid calls the kernels do not cover fall back to a torch
 implementation with one `FallbackWarning` per reason (`AUTOFLASH_STRICT=1`: `FallbackError`).
 """
 
@@ -27,7 +22,7 @@ import torch
 from autoflash import api
 from autoflash.api import FallbackError, FallbackWarning  # noqa: F401 (re-exported for callers)
 from autoflash.decode_kernels import launch
-from autoflash.decode_validate import validate_kvcache, validate_varlen
+from autoflash.decode_validate import validate_kvcache
 from autoflash.device import interpreter_enabled
 from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
 
@@ -117,38 +112,3 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if q.numel():
             launch(q, k_cache, v_cache, out, lse, scale, causal, total, block_table, num_splits, variant)
     return (out, lse) if return_softmax_lse else out
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                           causal=False):
-    """Drop-in for flash-attn's `flash_attn_varlen_func` (forward and backward; no dropout/window).
-
-    Args:
-        q: (total_q, nheads, headdim), the batch's sequences packed one after another
-        k, v: (total_k, nheads_k, headdim); nheads_k divides nheads (MQA/GQA)
-        cu_seqlens_q, cu_seqlens_k: int32 (batch_size + 1,): offsets, starting at 0, non-decreasing,
-            ending at total_q / total_k
-        max_seqlen_q, max_seqlen_k: ints >= the longest query / key sequence
-        softmax_scale: default 1/sqrt(headdim)
-        causal: bottom-right aligned per sequence, as flash-attn
-    Returns:
-        out: (total_q, nheads, headdim). Differentiable w.r.t. q, k, v.
-
-    Implementation: a loop over the sequences, each through `flash_attn_func`'s kernels on views
-    (no padding copies); sequences with no key give 0. One host sync reads cu_seqlens.
-    """
-    cu_q, cu_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  softmax_scale, causal)
-    outs = []
-    for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
-        if q1 == q0:
-            continue
-        if k1 == k0:
-            outs.append(q.new_zeros((q1 - q0, *q.shape[1:])))
-            continue
-        outs.append(api.flash_attn_func(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
-                                        softmax_scale=softmax_scale, causal=causal)[0])
-    if not outs:
-        return q.new_zeros(q.shape)  # no query token at all
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -8,7 +8,8 @@ passed is remembered by identity and version counter (`torch.Tensor._version`, b
 in-place write through torch), and is checked again only after it changed. Writes that torch does
 not see (a custom kernel, `.data`, DLPack) do not bump it: such a change is not re-checked, and the
 decode kernels clamp every length and block-table entry into the cache, so it can never make them
-read outside it. cu_seqlens are read on the host anyway (the varlen loop needs them).
+read outside it. cu_seqlens are read and checked on the host at every varlen call (the grid spans
+the longest sequence they give), right before the kernels read them.
 """
 
 from __future__ import annotations

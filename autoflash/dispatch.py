@@ -265,6 +265,33 @@ class Dispatcher:
                 self.kernels[key] = kernel
         return kernel
 
+    def varlen_kernel_for(self, q, k, v, o, causal: bool, op: str, max_seqlen_q: int, max_seqlen_k: int) -> Kernel:
+        """The kernel for packed variable-length sequences. q, k, v, o: (1, H, total, D) views of the
+        packed tensors (o: the output or dO). The problem is the dense one of the longest sequences
+        with the packed tokens' work; its winner serves when its family takes packed sequences,
+        else the op's default family (the only own families that take them are the defaults)."""
+        aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
+        key = ("varlen", op, causal, q.dtype, q.device, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+               o.stride(), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k))
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            with self._lock:
+                device_index = q.device.index if q.is_cuda else None
+                device = gpu_fingerprint(device_index)
+                work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
+                problem = Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
+                                  gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(max_seqlen_q),
+                                  seqlen_k=seqlen_bucket(max_seqlen_k), work=work)
+                kernel = codegen.load(self.variant_for(problem, device, device_index, own_only=True))
+                if not kernel.supports_varlen:
+                    kernel = codegen.load(default_variant(op, problem, device))
+                kernel = self._servable(kernel, problem, device, q, k, v, o)
+                if not kernel.supports_varlen:  # (the pointer twin of a default is in the same family)
+                    raise InvalidVariant(f"no {op} kernel takes packed sequences: {kernel}")
+                log.debug("autoflash: varlen %s -> %s", problem.key, kernel)
+                self.kernels[key] = kernel
+        return kernel
+
     def _record(self, q, k, problem: Problem) -> None:
         """AUTOFLASH_RECORD=FILE: append each new exact shape this process runs to FILE (a shape set
         for `autoflash tune --shapes FILE`). A file that cannot be written costs one warning."""

@@ -14,7 +14,8 @@ import torch
 
 from autoflash import api, decode, decode_kernels
 from autoflash.api import FallbackError, FallbackWarning
-from autoflash.decode import flash_attn_varlen_func, flash_attn_with_kvcache
+from autoflash.decode import flash_attn_with_kvcache
+from autoflash.varlen import flash_attn_varlen_func
 from autoflash.device import gpu_fingerprint
 from autoflash.space import Variant
 
@@ -150,8 +151,10 @@ def test_split_heuristic():
     assert 2 <= s <= 64
     assert module.num_splits_for(1, 1, 1, 10, 132) == 1  # one KV tile: nothing to split
     assert module.num_splits_for(1, 1, 1, 4096, 132, requested=3) == 3
-    # a paged cache: at least 4 programs per SM (16 x 8 programs -> 5 splits), never more splits than tiles
-    assert module.num_splits_for(16, 8, 1, 32768, 132, paged=True) == 5
+    # a paged cache: at least 6 programs per SM, a power-of-two split count (16 x 8 programs -> 8
+    # splits; 64 x 8 -> 2), never more splits than tiles
+    assert module.num_splits_for(16, 8, 1, 32768, 132, paged=True) == 8
+    assert module.num_splits_for(64, 8, 1, 32768, 132, paged=True) == 2
     assert module.num_splits_for(16, 8, 1, 32768, 132) == 1
     assert module.num_splits_for(1, 1, 1, 100, 132, paged=True) == -(-100 // module.BLOCK_N)
 

@@ -54,7 +54,7 @@ SAMPLE = sample()
 def test_sample_covers_every_structural_choice():
     seen = collections.defaultdict(set)
     for variant, _ in SAMPLE:
-        for knob in ("LOADS", "MASK_MODE", "KV_ORDER", "GRID_ORDER", "WARP_SPECIALIZE", "BLOCK_M", "BLOCK_N"):
+        for knob in ("LOADS", "MASK_MODE", "KV_ORDER", "GRID_ORDER", "WARP_SPECIALIZE", "HEAD_SPLIT", "BLOCK_M", "BLOCK_N"):
             seen[knob].add(variant[knob])
     space = load_space("fwd")
     device = gpu_fingerprint()

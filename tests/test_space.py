@@ -21,7 +21,7 @@ def problem(head_dim=128, causal=False, dtype="bfloat16"):
 def test_space_declares_every_template_knob():
     sp = load_space("fwd")
     assert set(sp.knobs) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "LOADS", "MASK_MODE",
-                             "KV_ORDER", "GRID_ORDER", "WARP_SPECIALIZE"}
+                             "KV_ORDER", "GRID_ORDER", "WARP_SPECIALIZE", "HEAD_SPLIT"}
     assert sp.size == len(list(sp.all_variants()))
 
 
@@ -31,7 +31,7 @@ def test_constraints_prune_before_compiling():
     assert 0 < len(valid) < sp.size
     # Measured on an H200: D=128, 128x128 tiles, warp specialization, 3 stages need 262 KB > 232 KB.
     too_big = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, LOADS="tma", MASK_MODE="split",
-                   KV_ORDER="ascending", GRID_ORDER="m_major", WARP_SPECIALIZE=True)
+                   KV_ORDER="ascending", GRID_ORDER="m_major", WARP_SPECIALIZE=True, HEAD_SPLIT=False)
     with pytest.raises(InvalidVariant, match="smem"):
         sp.validate(too_big, problem(), NEWER)
     sp.validate(dict(too_big, num_stages=2, BLOCK_N=64), problem(), NEWER)
@@ -43,7 +43,7 @@ def test_constraints_prune_before_compiling():
 def test_tma_needs_hopper_and_diagonal_order_needs_causal():
     sp = load_space("fwd")
     v = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, LOADS="tma", MASK_MODE="split",
-             KV_ORDER="ascending", GRID_ORDER="m_major", WARP_SPECIALIZE=False)
+             KV_ORDER="ascending", GRID_ORDER="m_major", WARP_SPECIALIZE=False, HEAD_SPLIT=False)
     sp.validate(v, problem(), HOPPER)
     with pytest.raises(InvalidVariant, match="tma_needs_hopper"):
         sp.validate(v, problem(), AMPERE)
@@ -147,3 +147,11 @@ def test_short_names_tell_every_valid_variant_apart():
         valid = load_space(op).valid_variants(Problem(op, "float16", 64, True, 1, 1024, 1024), gpu_fingerprint())
         names = {v.short() for v in valid}
         assert len(names) == len(valid)
+
+
+def test_head_split_only_for_head_dims_that_are_no_power_of_two():
+    sp = load_space("fwd")
+    for d, offered in ((64, False), (128, False), (96, True), (80, True), (16, False)):
+        valid = sp.valid_variants(problem(head_dim=d), HOPPER)
+        assert any(v["HEAD_SPLIT"] for v in valid) == offered, d
+        assert not any(v["HEAD_SPLIT"] and v["LOADS"] == "block_ptr" for v in valid)

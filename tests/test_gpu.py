@@ -112,10 +112,12 @@ def test_shipped_winners_are_served_on_their_gpu():
         pytest.skip(f"no shipped winners for {device.key}")
     dispatcher, served = Dispatcher(winner_paths=shipped_paths), 0
     for shape in load_shape_set("standard"):
-        if shape.problem.key in shipped.rows:
+        # (the grid was tuned before the occupancy bucket: its rows serve by the nearest-bucket rule)
+        expected, how = shipped.lookup(shape.problem)
+        if expected is not None:
             q, k, v = make_inputs(shape, "cuda", seed=9)
             module = dispatcher.kernel_for(q, k, v, torch.empty_like(q), shape.causal)
-            assert module is codegen.load(shipped.rows[shape.problem.key]), shape.label()
+            assert module is codegen.load(expected), (shape.label(), how)
             served += 1
     assert served > 0
 

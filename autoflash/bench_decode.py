@@ -14,6 +14,7 @@ import statistics
 
 import torch
 
+from autoflash.reference import paged_cache
 from autoflash.tuning.timing import time_callable
 
 ERR_LIMIT = 2e-2
@@ -57,20 +58,6 @@ def _inputs(case: DecodeCase, device):
     return q, k, v
 
 
-def _paged(k, v, page: int):
-    """The same tokens in a paged cache with a shuffled block table (last page padded)."""
-    batch, n, hkv, d = k.shape
-    per_seq = -(-n // page)
-    blocks = batch * per_seq
-    perm = torch.randperm(blocks, device=k.device, generator=torch.Generator(device=k.device).manual_seed(1))
-    kp, vp = (torch.zeros(blocks, page, hkv, d, device=k.device, dtype=k.dtype) for _ in range(2))
-    pad = per_seq * page - n
-    for src, dst in ((k, kp), (v, vp)):
-        padded = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, pad))
-        dst[perm] = padded.reshape(blocks, page, hkv, d)
-    return kp, vp, perm.view(batch, per_seq).to(torch.int32)
-
-
 def _methods(case: DecodeCase, q, k, v, sdpa: bool) -> dict:
     """name -> no-argument call returning (B, 1, Hq, D)."""
     import torch.nn.functional as F
@@ -81,7 +68,7 @@ def _methods(case: DecodeCase, q, k, v, sdpa: bool) -> dict:
     lens = torch.full((case.batch,), case.kv_len, device=q.device, dtype=torch.int32)
     fns = {"autoflash": lambda: autoflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)}
     for page in case.pages:
-        kp, vp, table = _paged(k, v, page)
+        kp, vp, table = paged_cache(k, v, page, torch.Generator(device=k.device).manual_seed(1))
         fns[f"autoflash-paged{page}"] = (lambda kp=kp, vp=vp, table=table: autoflash.flash_attn_with_kvcache(
             q, kp, vp, cache_seqlens=lens, block_table=table))
     if sdpa:

@@ -277,8 +277,11 @@ class Kernel:
         seqlens (B,) int32 keys per sequence; lse (B, H, Q) float32. Returns the KV splits used."""
         if self.op != "decode":
             raise TypeError(f"{self.family} is not a decode kernel family")
+        if self.uses_tma:
+            ensure_allocator()
         return self.module.launch(q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens, block_table,
-                                  sm_count=sm_count, num_splits=num_splits, compile_only=compile_only)
+                                  sm_count=sm_count, num_splits=num_splits, compile_only=compile_only,
+                                  tma_ok=self.uses_tma and tma_compatible(k_cache, v_cache))
 
     def bind_decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
                     sm_count: int = 1, num_splits: int | None = None):
@@ -288,7 +291,7 @@ class Kernel:
         tensors = (q, k_cache, v_cache, o, lse, seqlens) + ((block_table,) if block_table is not None else ())
         return replay.bind(self.module, lambda: self.decode(q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens,
                                                             block_table, sm_count, num_splits),
-                           tensors, outputs=(3, 4))
+                           tensors, outputs=(3, 4), before_launch=ensure_allocator)
 
     def compile_for(self, q, k, v, causal: bool, causal_offset: int) -> None:
         """Build (or fetch from Triton's cache) the binary for these argument types, no launch.

@@ -22,11 +22,13 @@ def decode_space():
 
 
 def decode_problem(dtype: torch.dtype, head_dim: int, batch: int, kv_heads: int, group: int, q_len: int,
-                   capacity: int, causal: bool, sm_count: int) -> Problem:
-    """The tuning and dispatch key of a decode call (the cache's capacity is its length bucket)."""
+                   capacity: int, causal: bool, sm_count: int, page: int | None = None) -> Problem:
+    """The tuning and dispatch key of a decode call (the cache's capacity is its length bucket;
+    page: the block size of a paged cache, None for a contiguous one)."""
     return Problem(op="decode", dtype=dtype_name(dtype), head_dim=head_dim, causal=causal, gqa_group=group,
                    seqlen_q=seqlen_bucket(q_len), seqlen_k=seqlen_bucket(max(capacity, 1)),
-                   work=shape_work_bucket("decode", batch, kv_heads * group, kv_heads, q_len, capacity, sm_count))
+                   work=shape_work_bucket("decode", batch, kv_heads * group, kv_heads, q_len, capacity, sm_count),
+                   page=page)
 
 
 def default_knobs(dtype: torch.dtype, head_dim: int, group: int, q_len: int, seqlen_k: int, causal: bool) -> tuple:
@@ -41,13 +43,13 @@ def load_kernel(knobs: dict):
     return codegen.load(Variant.of(FAMILY, knobs))
 
 
-def _served_knobs(q, k_cache, capacity: int, causal: bool, variant) -> dict:
+def _served_knobs(q, k_cache, capacity: int, causal: bool, page: int | None, variant) -> dict:
     """The tuned winner of this call's decode problem (exact or nearest bucket), else the default;
     a caller's `variant` overrides knobs (checked against the space)."""
     batch, q_len, heads, head_dim = q.shape
     device = gpu_fingerprint(q.device.index if q.is_cuda else None)
     problem = decode_problem(q.dtype, head_dim, batch, k_cache.shape[2], heads // k_cache.shape[2], q_len,
-                             capacity, causal, device.sm_count)
+                             capacity, causal, device.sm_count, page)
     knobs = get_dispatcher().serving_variant(problem, device).as_dict()
     if variant:
         knobs = decode_space().check_declared({**knobs, **variant}).as_dict()
@@ -102,7 +104,7 @@ def launch(q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table, n
         kernel = plan[0]  # (planned, but not bound: through the kernel module)
     else:
         capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
-        kernel = load_kernel(_served_knobs(q, k_cache, capacity, causal, variant))
+        kernel = load_kernel(_served_knobs(q, k_cache, capacity, causal, k_cache.shape[1] if paged else None, variant))
     args = (q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table)
     options = dict(sm_count=launch_sm_count(q.device), num_splits=num_splits or None)
     if signature is None or plan is not None:

@@ -123,9 +123,9 @@ class WinnerTable:
         best, best_distance = None, math.inf
         for key, variant in rows.items():
             p = Problem.from_key(key)
-            if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group) != (
-                    problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group):
-                continue
+            if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group, p.page) != (
+                    problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group, problem.page):
+                continue  # (a paged cache's block size is never bridged: its winner is another kernel's)
             work = work_distance(p.work, problem.work)
             if p.work is not None and work > NEAREST_WORK_MAX:
                 continue  # another occupancy regime: the shape's default beats a big-batch winner

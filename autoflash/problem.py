@@ -24,7 +24,7 @@ GQA_GROUP_MAX = 1 << 16
 WORK_TILE_ROWS = 128
 WORK_MIN, WORK_MAX = -6, 10
 _KEY = re.compile(r"(?P<op>[a-z]+)/(?P<dtype>[a-z0-9]+)/d(?P<d>-?\d+)/(?P<c>causal|full)/g(?P<g>-?\d+)"
-                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?")
+                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?(?:/p(?P<p>-?\d+))?")
 
 
 def _check_int(name: str, value, low: int, high: int, power_of_two: bool = False) -> None:
@@ -76,6 +76,9 @@ class Problem:
     # work_bucket() of the call on its GPU; None: any occupancy (keys and DB rows made before the
     # occupancy bucket existed are served by the nearest-bucket rule, never as an exact match)
     work: int | None = None
+    # decode only: the paged KV cache's block size (tokens per page); None: a contiguous cache.
+    # Keys and rows made before it existed are contiguous problems.
+    page: int | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -90,14 +93,19 @@ class Problem:
         _check_int("seqlen_k", self.seqlen_k, 1, SEQLEN_BUCKET_MAX, power_of_two=True)
         if self.work is not None:
             _check_int("work", self.work, WORK_MIN, WORK_MAX)
+        if self.page is not None:
+            if self.op != "decode":
+                raise ValueError(f"page (a paged KV cache's block size) is a decode key, not {self.op!r}")
+            _check_int("page", self.page, 1, SEQLEN_BUCKET_MAX)
 
     @property
     def key(self) -> str:
         """A stable, human-readable key, used as the DB's problem column and study name."""
         c = "causal" if self.causal else "full"
         work = "" if self.work is None else f"/w{self.work}"
+        page = "" if self.page is None else f"/p{self.page}"
         return (f"{self.op}/{self.dtype}/d{self.head_dim}/{c}/g{self.gqa_group}"
-                f"/q{self.seqlen_q}/k{self.seqlen_k}{work}")
+                f"/q{self.seqlen_q}/k{self.seqlen_k}{work}{page}")
 
     @classmethod
     def from_key(cls, key: str) -> "Problem":
@@ -108,11 +116,12 @@ class Problem:
         m = _KEY.fullmatch(key)
         if m is None:
             raise ValueError(f"malformed problem key {key!r}: expected "
-                             "'op/dtype/d<head_dim>/causal|full/g<gqa>/q<bucket>/k<bucket>[/w<work>]'")
+                             "'op/dtype/d<head_dim>/causal|full/g<gqa>/q<bucket>/k<bucket>[/w<work>][/p<page>]'")
         try:
             problem = cls(op=m["op"], dtype=m["dtype"], head_dim=int(m["d"]), causal=(m["c"] == "causal"),
                           gqa_group=int(m["g"]), seqlen_q=int(m["q"]), seqlen_k=int(m["k"]),
-                          work=None if m["w"] is None else int(m["w"]))
+                          work=None if m["w"] is None else int(m["w"]),
+                          page=None if m["p"] is None else int(m["p"]))
         except ValueError as e:
             raise ValueError(f"invalid problem key {key!r}: {e}") from None
         if problem.key != key:  # e.g. leading zeros: one problem, one key
@@ -136,6 +145,7 @@ class Shape:
     causal: bool
     dtype: str
     op: str = "fwd"
+    page: int | None = None  # decode: a paged cache of this block size (None: contiguous); other ops ignore it
 
     @property
     def problem(self) -> Problem:
@@ -149,7 +159,8 @@ class Shape:
                        gqa_group=self.heads_q // self.heads_kv,
                        seqlen_q=seqlen_bucket(self.seqlen_q), seqlen_k=seqlen_bucket(self.seqlen_k),
                        work=shape_work_bucket(self.op, self.batch, self.heads_q, self.heads_kv, self.seqlen_q,
-                                              self.seqlen_k, sm_count))
+                                              self.seqlen_k, sm_count),
+                       page=self.page if self.op == "decode" else None)
 
     def flops(self) -> float:
         """Forward (and decode) FLOPs 4*B*H*Nq*Nk*D (two matmuls), halved when causal; the backward counts
@@ -168,8 +179,9 @@ class Shape:
     def label(self) -> str:
         c = " causal" if self.causal else ""
         g = f" gqa{self.heads_q}/{self.heads_kv}" if self.heads_q != self.heads_kv else ""
+        page = f" page{self.page}" if self.page is not None else ""
         return (f"{'' if self.op == 'fwd' else self.op + ' '}{self.dtype} B{self.batch} H{self.heads_q} q{self.seqlen_q} k{self.seqlen_k} "
-                f"d{self.head_dim}{c}{g}")
+                f"d{self.head_dim}{c}{g}{page}")
 
 
 def dtype_name(dtype) -> str:

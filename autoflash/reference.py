@@ -27,6 +27,21 @@ def make_inputs(shape: Shape, device, seed: int = 0, layout: str = "bhnd"):
     return q, k, v
 
 
+def paged_cache(k: torch.Tensor, v: torch.Tensor, page: int, generator: torch.Generator | None = None):
+    """The tokens of contiguous caches k, v (B, N, H_kv, D) in a paged cache: (k_pages, v_pages,
+    block_table), pages (B * ceil(N / page), page, H_kv, D) in a shuffled order (the last page of each
+    sequence zero-padded), block_table (B, ceil(N / page)) int32."""
+    batch, n, heads, d = k.shape
+    per_seq = -(-n // page)
+    perm = torch.randperm(batch * per_seq, generator=generator, device=k.device)
+    pages = []
+    for src in (k, v):
+        dst = torch.zeros(batch * per_seq, page, heads, d, device=k.device, dtype=k.dtype)
+        dst[perm] = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, per_seq * page - n)).reshape(-1, page, heads, d)
+        pages.append(dst)
+    return pages[0], pages[1], perm.view(batch, per_seq).to(torch.int32)
+
+
 def causal_offset_for(shape: Shape, align: str) -> int:
     return shape.seqlen_k - shape.seqlen_q if align == "bottom_right" else 0
 

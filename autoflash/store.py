@@ -25,7 +25,7 @@ from typing import Iterable
 import sqlite_utils
 
 from autoflash.store_migrations import _apply_migrations, now, schema_version
-from autoflash.store_validate import (READABLE_VERSIONS, SCHEMA_VERSION, StoreError,  # noqa: F401
+from autoflash.store_validate import (READABLE_VERSIONS, SCHEMA_VERSION, StoreError, problem_columns,  # noqa: F401
                                       _connect_readonly, _refuse_foreign, _same_file, declared_in_some_family,
                                       validate_export)
 
@@ -140,7 +140,7 @@ class Store:
 
     def add_trial(self, *, run_id, gpu_key, problem, template_hash, variant_json, status, median_ms=None,
                   spread=None, tflops=None, err=None, sdpa_err=None, message="", seconds=None, shape=None) -> int:
-        row = {"run_id": run_id, "gpu_key": gpu_key, "problem": problem.key, **_problem_cols(problem),
+        row = {"run_id": run_id, "gpu_key": gpu_key, "problem": problem.key, **problem_columns(problem),
                "template_hash": template_hash, "variant": variant_json, "status": status,
                "median_ms": _num(median_ms), "spread": _num(spread), "tflops": _num(tflops), "err": _num(err),
                "sdpa_err": _num(sdpa_err), "message": message, "seconds": _num(seconds),
@@ -160,7 +160,7 @@ class Store:
                                  "and variant = ? limit 1", [gpu_key, problem.key, template_hash, variant_json])
             if taken.fetchone():
                 return None
-            row = {"run_id": run_id, "gpu_key": gpu_key, "problem": problem.key, **_problem_cols(problem),
+            row = {"run_id": run_id, "gpu_key": gpu_key, "problem": problem.key, **problem_columns(problem),
                    "template_hash": template_hash, "variant": variant_json, "status": "running", "message": "",
                    "shape": json.dumps(shape) if shape is not None else None, "created_at": now()}
             cols = ", ".join(row)
@@ -188,7 +188,7 @@ class Store:
         """Store a problem's winner. replaces: template hashes of the op's other kernel families,
         whose winners for this problem the new one supersedes (one winner per problem and GPU)."""
         row = {"gpu_key": gpu_key, "problem": problem.key, "template_hash": template_hash,
-               **_problem_cols(problem), "variant": variant_json, "median_ms": _num(median_ms),
+               **problem_columns(problem), "variant": variant_json, "median_ms": _num(median_ms),
                "spread": _num(spread), "tflops": _num(tflops), "default_ms": _num(default_ms),
                "sdpa_cudnn_ms": _num(sdpa_cudnn_ms), "sdpa_flash_ms": _num(sdpa_flash_ms), "trials": trials,
                "run_id": run_id, "shape": json.dumps(shape) if shape is not None else None, "updated_at": now()}
@@ -319,12 +319,6 @@ def _ms(x) -> float:
     """A stored median as a comparable number: missing, non-finite or non-positive ones lose."""
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 \
         else float("inf")
-
-
-def _problem_cols(problem) -> dict:
-    return {"op": problem.op, "dtype": problem.dtype, "head_dim": problem.head_dim, "causal": int(problem.causal),
-            "gqa_group": problem.gqa_group, "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k,
-            "work": problem.work}
 
 
 def _num(x):

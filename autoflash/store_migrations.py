@@ -53,6 +53,13 @@ def _m003_occupancy_key(db: sqlite_utils.Database) -> None:
         _add_column(db, table, "work", int)
 
 
+def _m004_paged_key(db: sqlite_utils.Database) -> None:
+    """A decode problem's paged-cache block size (problem.page) as a column of trials and winners.
+    Rows written before keep NULL and their keys without /p<n>: contiguous-cache problems."""
+    for table in ("trials", "winners"):
+        _add_column(db, table, "page", int)
+
+
 def _add_column(db: sqlite_utils.Database, table: str, column: str, kind) -> None:
     """Add a column unless it is there, also when another process added it between the check and
     the ALTER (two tuners opening an older DB at once): then it is there, which is what was asked."""
@@ -66,7 +73,7 @@ def _add_column(db: sqlite_utils.Database, table: str, column: str, kind) -> Non
 
 
 MIGRATIONS = [("001_initial", _m001_initial), ("002_run_process", _m002_run_process),
-              ("003_occupancy_key", _m003_occupancy_key)]
+              ("003_occupancy_key", _m003_occupancy_key), ("004_paged_key", _m004_paged_key)]
 
 
 def _apply_migrations(db: sqlite_utils.Database) -> None:

@@ -17,7 +17,7 @@ import sqlite3
 import urllib.parse
 
 WINNER_COLUMNS = ("gpu_key", "problem", "template_hash", "op", "dtype", "head_dim", "causal", "gqa_group",
-                  "seqlen_q", "seqlen_k", "work", "variant", "median_ms", "spread", "tflops", "default_ms",
+                  "seqlen_q", "seqlen_k", "work", "page", "variant", "median_ms", "spread", "tflops", "default_ms",
                   "sdpa_cudnn_ms", "sdpa_flash_ms", "trials", "run_id", "shape", "updated_at")
 WINNER_REQUIRED = ("gpu_key", "problem", "template_hash", "variant", "median_ms")
 GPU_COLUMNS = ("gpu_key", "name", "cc_major", "cc_minor", "sm_count", "smem_per_block", "torch_version",
@@ -30,9 +30,10 @@ _OPTIONAL_TEXT = ("shape", "updated_at")
 
 
 # Of the results DB (autoflash.store re-exports it). 2: problem keys may carry the occupancy
-# bucket (/w<n>) and rows have a `work` column; version-1 files and exports are read as they are.
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# bucket (/w<n>) and rows have a `work` column; 3: decode keys may carry the paged cache's block
+# size (/p<n>) and rows have a `page` column. Older files and exports are read as they are.
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class StoreError(RuntimeError):
@@ -45,6 +46,13 @@ def _error(what: str, message: str):
 
 def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def problem_columns(problem) -> dict:
+    """The columns of a trials or winners row that repeat its problem key (for SQL queries)."""
+    return {"op": problem.op, "dtype": problem.dtype, "head_dim": problem.head_dim, "causal": int(problem.causal),
+            "gqa_group": problem.gqa_group, "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k,
+            "work": problem.work, "page": problem.page}
 
 
 def validate_winner(row, index: int) -> dict:
@@ -69,9 +77,7 @@ def validate_winner(row, index: int) -> dict:
         problem = Problem.from_key(row["problem"])
     except ValueError as e:
         raise _error(what, f"field 'problem': {e}") from None
-    cols = {"op": problem.op, "dtype": problem.dtype, "head_dim": problem.head_dim, "causal": int(problem.causal),
-            "gqa_group": problem.gqa_group, "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k,
-            "work": problem.work}
+    cols = problem_columns(problem)
     for col, value in cols.items():
         if row.get(col) is not None and row[col] != value:
             raise _error(what, f"field {col!r} is {row[col]!r} but the problem key says {value!r}")

@@ -22,7 +22,7 @@ def test_space_prints_axes_and_counts():
     r = invoke("space", "--op", "fwd", "--head-dim", "64", "--causal")
     assert r.exit_code == 0
     assert "BLOCK_M" in r.output and "WARP_SPECIALIZE" in r.output
-    assert "variants before constraints: 2592" in r.output
+    assert "variants before constraints: 5184" in r.output
     after = int(r.output.rsplit("after:", 1)[1].split()[0])
     assert 0 < after < 2592
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from autoflash import api, decode, decode_kernels
+from autoflash import api, codegen, decode, decode_kernels
 from autoflash.api import FallbackError, FallbackWarning
 from autoflash.decode import flash_attn_with_kvcache
 from autoflash.varlen import flash_attn_varlen_func
@@ -118,6 +118,29 @@ def test_decode_matches_float64(q_len, heads, kv_heads, layout, num_splits, caus
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert (lse[finite].double() - ref_lse[finite].double()).abs().max() < 1e-3
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("layout", ["contiguous", "strided", 16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_loads_match_float64(layout, causal):
+    """LOADS "tma": a contiguous cache through tensor descriptors (rows past each sequence's length,
+    including a sequence of none, read as zeros); a paged cache, or a cache whose strides TMA cannot
+    take, through pointers. Every case against float64."""
+    q, kc, vc, seqlens, table, keys, values = make_problem(RAGGED, 2, 4, 2, 32, 64, 16 if layout == 16 else "contiguous",
+                                                           torch.float32, seed=5)
+    if layout == "strided":  # a (B, N, H_kv, D) view with a row stride of 17 floats: not TMA-aligned
+        kc, vc = (torch.nn.functional.pad(t, (0, 1))[..., :32] for t in (kc, vc))
+        assert not codegen.tma_compatible(kc)
+    kernel = decode_kernels.load_kernel({**dict(decode_kernels.default_knobs(torch.float32, 32, 2, 2, 64, causal)),
+                                         "LOADS": "tma", "NUM_SPLITS": 2})
+    assert kernel.uses_tma
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"))
+    kernel.decode(q, kc, vc, out, lse, 1 / math.sqrt(32), causal, seqlens, table)
+    ref = reference_decode(q, [k[:n] for k, n in zip(keys, RAGGED)], [v[:n] for v, n in zip(values, RAGGED)],
+                           causal, 1 / math.sqrt(32))
+    check(out, ref, torch.float32)
 
 
 @pytest.mark.interpreter
@@ -347,7 +370,7 @@ def test_every_knob_value_renders():
     for knob, choices in space.knobs.items():
         for choice in choices:
             module = decode_kernels.load_kernel({**base, knob: choice}).module
-            assert module.OP == "decode" and module.LOADS == "pointer"
+            assert module.OP == "decode" and module.LOADS == {**base, knob: choice}["LOADS"]
 
 
 # --------------------------------------------------------------------------- GPU (H200)
@@ -442,30 +465,39 @@ def test_kernel_clamps_lengths_and_pages_it_was_not_checked_for():
     assert torch.allclose(out.double(), ref, atol=1e-4) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_decode_kernels_compile_for_sm90(paged, tmp_path):
+@pytest.mark.parametrize("paged, loads", [(False, "pointer"), (True, "pointer"), (False, "tma")])
+def test_decode_kernels_compile_for_sm90(paged, loads, tmp_path):
     """The decode family's default compiles for Hopper on any machine (the CPU interpreter cannot see
-    a kernel that the GPU compiler refuses): split and combine kernels, contiguous and paged."""
-    import importlib.util
+    a kernel that the GPU compiler refuses): split and combine kernels, contiguous and paged, pointer
+    and TMA loads. In a child process without TRITON_INTERPRET and with an empty Triton cache: with
+    the interpreter on, Triton's own @jit helpers (tl.cdiv) are interpreted functions that its
+    compiler cannot inline, and a warm cache would hide that."""
+    import subprocess
+    import sys
 
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["AUTOFLASH_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    code = f"from tests.test_decode import compile_decode_for_sm90; compile_decode_for_sm90({paged!r}, {loads!r})"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["_decode_split", "_decode_combine"]
+
+
+def compile_decode_for_sm90(paged: bool, loads: str) -> None:
+    """(Run by the test above in a clean process.) Capture the launches `launch` would make and
+    compile each for sm90; print the kernels' names."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
     from autoflash import codegen
-    from autoflash.device import triton_release
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and triton_release(triton.__version__) != (3, 6):
-        pytest.skip("with the interpreter on, only Triton 3.6 compiles for a GPU in the same process "
-                    f"(installed: {triton.__version__}, which keeps interpreting the kernel's builtins)")
-    variant = Variant.of(decode_kernels.FAMILY, dict(decode_kernels.default_knobs(torch.bfloat16, 128, 4, 1, 4096, False)))
-    path = tmp_path / "decode_sm90.py"
-    path.write_text(codegen.render(variant))
-    spec = importlib.util.spec_from_file_location("decode_sm90", path)
-    module = importlib.util.module_from_spec(spec)
-    with codegen.interpreter_off():
-        spec.loader.exec_module(module)
+    variant = Variant.of(decode_kernels.FAMILY, {**dict(decode_kernels.default_knobs(torch.bfloat16, 128, 4, 1, 4096, False)),
+                                                 "LOADS": loads})
+    module = codegen.load(variant).module
     launches = []
     for jit in (module._decode_split, module._decode_combine):  # what launch would build, captured
         jit.warmup = (lambda jit: lambda *args, **kwargs: launches.append((jit, args, kwargs)))(jit)
@@ -473,15 +505,30 @@ def test_decode_kernels_compile_for_sm90(paged, tmp_path):
     cache = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16) if paged else torch.empty(3, 640, 8, 128, dtype=torch.bfloat16)
     module.launch(q, cache, cache.clone(), torch.empty_like(q), torch.empty(3, 32, 1), 0.1, False,
                   torch.zeros(3, dtype=torch.int32), torch.zeros(3, 40, dtype=torch.int32) if paged else None,
-                  sm_count=132, compile_only=True)
-    assert [jit.fn.__name__ for jit, _, _ in launches] == ["_decode_split", "_decode_combine"]
+                  sm_count=132, compile_only=True, tma_ok=True)
+    assert launches[0][2]["USE_TMA"] == (loads == "tma" and not paged)
     for jit, args, kwargs in launches:
         constexprs = {name: kwargs[name] for name in jit.arg_names if name in kwargs}
         values = iter(args)
         signature = {name: "constexpr" if name in constexprs else mangle_type(next(values)) for name in jit.arg_names}
         assert next(values, None) is None, "launch passes more arguments than the kernel takes"
         options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
-        with codegen.interpreter_off():
-            compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                                      options=options)
+        compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                  options=options)
         assert compiled.asm["cubin"] and ".target sm_90a" in compiled.asm["ptx"]
+        print(jit.fn.__name__)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len, causal", [(1, False), (4, True)])
+def test_gpu_tma_decode_passes_the_gate(q_len, causal):
+    """TMA loads of the decode kernel on the GPU, through the tuner's gate: ragged lengths 0 ... 4111
+    in one batch, contiguous and paged (shuffled) caches, against float64."""
+    from autoflash.problem import Shape
+    from autoflash.tuning.gate import check_decode
+
+    shape = Shape(16, 32, 8, q_len, 4096, 128, causal, "bfloat16", op="decode")
+    kernel = decode_kernels.load_kernel({**dict(decode_kernels.default_knobs(torch.bfloat16, 128, 4, q_len, 4096, causal)),
+                                         "LOADS": "tma"})
+    result = check_decode(kernel, shape, "cuda")
+    assert result.passed, result.detail

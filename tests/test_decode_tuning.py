@@ -1,7 +1,8 @@
 """Decode problems in the tuner and the dispatcher: keyed by (dtype, head dim, GQA group, new
-tokens, cache length bucket, occupancy), gated against the float64 reference on ragged cache
+tokens, cache length bucket, occupancy, paged block size), gated against the float64 reference on ragged cache
 lengths with contiguous and paged caches, tuned into the DB, and served to flash_attn_with_kvcache."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import torch
 
 from autoflash import decode_kernels, api, codegen, decode
 from autoflash.device import gpu_fingerprint
-from autoflash.problem import Shape
+from autoflash.problem import Problem, Shape
 from autoflash.space import load_space
 from autoflash.store import Store
 from autoflash.tuning.gate import check, check_decode
@@ -52,9 +53,10 @@ def test_decode_problems_are_tuned_and_then_served_exact(tmp_path):
     store = Store(db)
     rows = store.winners()
     store.close()
-    assert {r["op"] for r in rows} == {"decode"} and len(rows) == 2  # decode_tiny: two problems
+    assert {r["op"] for r in rows} == {"decode"} and len(rows) == 3  # decode_tiny: three problems
+    assert sorted(r["page"] for r in rows if r["page"] is not None) == [16]  # one of them paged
     out = _run("which", "--interpret", "--op", "decode", "--shapes", "decode_tiny", db=db)
-    assert out.count("exact") == 2
+    assert out.count("exact") == 3
 
 
 def test_flash_attn_with_kvcache_serves_the_tuned_decode_winner(tmp_path, monkeypatch):
@@ -72,12 +74,53 @@ def test_flash_attn_with_kvcache_serves_the_tuned_decode_winner(tmp_path, monkey
     monkeypatch.setenv("AUTOFLASH_DB", str(tmp_path / "user.db"))
     api.reset()
     try:
-        assert decode_kernels._served_knobs(q, cache, 64, False, None) == tuned.as_dict()
+        assert decode_kernels._served_knobs(q, cache, 64, False, None, None) == tuned.as_dict()
         lens = torch.tensor([0, 40], dtype=torch.int32)
         out = decode.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens)
         ref, _ = decode.torch_decode(q.double(), cache.double(), cache.double(), lens, None, 32 ** -0.5, False)
         assert float((out.double() - ref).norm() / ref.norm()) < 2e-3
         # a caller's override still applies on top of the tuned winner
-        assert decode_kernels._served_knobs(q, cache, 64, False, {"BLOCK_N": 64})["NUM_SPLITS"] == 2
+        assert decode_kernels._served_knobs(q, cache, 64, False, None, {"BLOCK_N": 64})["NUM_SPLITS"] == 2
+    finally:
+        api.reset()
+
+
+def test_the_paged_block_size_is_part_of_the_decode_key():
+    paged = dataclasses.replace(SHAPE, page=16).problem
+    assert paged.key == SHAPE.problem.key + "/p16" and Problem.from_key(paged.key) == paged
+    assert dataclasses.replace(SHAPE, op="fwd", page=16).problem.page is None  # other ops ignore it
+    with pytest.raises(ValueError, match="decode key"):
+        Problem("fwd", "float16", 32, False, 1, 64, 64, page=16)
+    with pytest.raises(ValueError, match="page"):
+        Problem.from_key(SHAPE.problem.key + "/p0")
+
+
+def test_a_paged_winner_serves_only_calls_with_that_page_size(tmp_path, monkeypatch):
+    """A winner tuned on 16-token pages serves 16-token pages (exact, and by the nearest-bucket
+    rule at another length), never a contiguous cache or another page size (the default does)."""
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16)
+    pages = torch.randn(8, 16, 2, 32, dtype=torch.float16)
+    default = dict(decode_kernels.default_knobs(q.dtype, 32, 2, 1, 64, False))
+    tuned = load_space("triton_decode").check_declared({**default, "BLOCK_N": 16, "NUM_SPLITS": 4})
+    problem = decode_kernels.decode_problem(q.dtype, 32, 2, 2, 2, 1, 64, False, DEVICE.sm_count, page=16)
+    store = Store(tmp_path / "user.db")
+    store.add_gpu(DEVICE)
+    store.set_winner(gpu_key=DEVICE.key, problem=problem, template_hash=codegen.template_hash("triton_decode"),
+                     variant_json=tuned.json(), median_ms=1.0, spread=0.0, tflops=1.0, trials=2)
+    assert [r["page"] for r in store.winners()] == [16]
+    store.close()
+    monkeypatch.setenv("AUTOFLASH_DB", str(tmp_path / "user.db"))
+    api.reset()
+    try:
+        assert decode_kernels._served_knobs(q, pages, 64, False, 16, None) == tuned.as_dict()
+        assert decode_kernels._served_knobs(q, pages, 128, False, 16, None) == tuned.as_dict()  # nearest
+        assert decode_kernels._served_knobs(q, pages, 64, False, None, None) == default
+        assert decode_kernels._served_knobs(q, pages, 64, False, 32, None) == default
+        # and the launch of a paged call runs it, correctly
+        table = torch.tensor([[3, 0, 5, 1], [2, 7, 4, 6]], dtype=torch.int32)
+        lens = torch.tensor([64, 23], dtype=torch.int32)
+        out = decode.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table)
+        ref, _ = decode.torch_decode(q.double(), pages.double(), pages.double(), lens, table, 32 ** -0.5, False)
+        assert float((out.double() - ref).norm() / ref.norm()) < 2e-3
     finally:
         api.reset()

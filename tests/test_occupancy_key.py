@@ -105,10 +105,10 @@ def test_old_dbs_open_read_only_and_their_rows_serve_by_the_nearest_bucket(tmp_p
 def test_opening_an_old_db_for_writing_applies_the_named_migration_and_keeps_its_rows(tmp_path):
     old = _version_1_db(tmp_path / "old.db", prob(), variant(3))
     store = Store(old)
-    assert [r["name"] for r in store.db["_migrations"].rows][-1] == "003_occupancy_key"
+    assert [r["name"] for r in store.db["_migrations"].rows][-2:] == ["003_occupancy_key", "004_paged_key"]
     assert store.db.execute("select value from _meta where key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     (row,) = store.winners()
-    assert row["problem"] == prob().key and row["work"] is None
+    assert row["problem"] == prob().key and row["work"] is None and row["page"] is None
     store.set_winner(gpu_key=DEVICE.key, problem=prob(2), template_hash=THASH, variant_json=variant(5).json(),
                      median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
     assert {r["problem"]: r["work"] for r in store.winners()} == {prob().key: None, prob(2).key: 2}

@@ -136,8 +136,8 @@ def test_decode_calls_launch_directly_and_stay_correct(page):
         if page is None:
             out = autoflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
         else:
-            from autoflash.bench_decode import _paged
-            kp, vp, table = _paged(kc, vc, page)
+            from autoflash.reference import paged_cache
+            kp, vp, table = paged_cache(kc, vc, page)
             out = autoflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
         assert rel_error(out, ref) <= 2e-2
     assert any(plan[1] for plan in decode_kernels.decode_plans.values())

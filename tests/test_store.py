@@ -30,7 +30,8 @@ def test_schema_and_migrations(tmp_path):
     store = Store(path)
     assert {"gpus", "runs", "trials", "winners", "_meta", "_migrations"} <= set(store.db.table_names())
     assert store.db.execute("select value from _meta where key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
-    assert [r["name"] for r in store.db["_migrations"].rows] == ["001_initial", "002_run_process", "003_occupancy_key"]
+    assert [r["name"] for r in store.db["_migrations"].rows] == ["001_initial", "002_run_process", "003_occupancy_key",
+                                                               "004_paged_key"]
     assert store.db.execute("pragma journal_mode").fetchone()[0] == "wal"
     store.close()
     Store(path).close()  # re-opening applies nothing twice

@@ -19,7 +19,7 @@ from autoflash import codegen
 from autoflash.codegen import Kernel
 from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_count
 from autoflash.problem import Shape
-from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, reference, reference_grads, rel_error,
+from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, paged_cache, reference, reference_grads, rel_error,
                                  sdpa_error, sdpa_grads)
 from autoflash.space import default_variant, load_space
 
@@ -177,6 +177,7 @@ def decode_gate_cases(shape: Shape, device) -> list[dict]:
     q_len = max(1, min(shape.seqlen_q, 16))
     on_gpu = torch.device(device).type == "cuda" and not interpreter_enabled()
     capacity, lengths, page = (4111, [0, 1, 17, 4095, 4111], 64) if on_gpu else (64, [0, 1, 17, 64], 16)
+    page = shape.page or page  # a paged problem is gated on its own block size
     g = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, shape.dtype)
 
@@ -186,15 +187,10 @@ def decode_gate_cases(shape: Shape, device) -> list[dict]:
     q = rand(batch, q_len, kv_heads * group, d)
     k, v = rand(batch, capacity, kv_heads, d), rand(batch, capacity, kv_heads, d)
     seqlens = torch.tensor(lengths, device=device, dtype=torch.int32)
-    per_seq = -(-capacity // page)
-    perm = torch.randperm(batch * per_seq, generator=g, device=device)
-    pages = [torch.zeros(batch * per_seq, page, kv_heads, d, device=device, dtype=dtype) for _ in range(2)]
-    for src, dst in zip((k, v), pages):
-        dst[perm] = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, per_seq * page - capacity)).reshape(-1, page, kv_heads, d)
-    table = perm.view(batch, per_seq).to(torch.int32)
+    k_pages, v_pages, table = paged_cache(k, v, page, g)
     # the new tokens' keys are the last q_len of each sequence (bottom-right causal): lengths >= q_len or 0
     return [dict(q=q, k=k, v=v, seqlens=seqlens, table=None),
-            dict(q=q, k=pages[0], v=pages[1], seqlens=seqlens, table=table)]
+            dict(q=q, k=k_pages, v=v_pages, seqlens=seqlens, table=table)]
 
 
 def check_decode(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:

@@ -12,7 +12,7 @@ import torch
 from autoflash.codegen import Kernel
 from autoflash.device import launch_sm_count
 from autoflash.problem import Shape
-from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
+from autoflash.reference import causal_offset_for, make_inputs, paged_cache, sdpa_backend
 from autoflash.training import EagerAttention, TrainingPair
 from autoflash.tuning.gate import forward_kernel_for_backward, require_supported
 
@@ -40,14 +40,18 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
     scale = 1.0 / math.sqrt(shape.head_dim)
     if kernel.op == "decode":  # the (B, H, N, D) inputs seen as N_q new tokens against a full cache
         qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
+        table = None
+        if shape.page is not None:  # a paged problem: the same tokens behind a shuffled block table
+            kd, vd, table = paged_cache(kd, vd, shape.page, torch.Generator(device=q.device).manual_seed(1))
+        tables = (table,) if table is not None else ()
         out, lse = torch.empty_like(qd), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         seqlens = torch.full((q.shape[0],), k.shape[2], device=q.device, dtype=torch.int32)
         sm_count = launch_sm_count(q.device)
         # (launched as a decode step launches it: directly, after the first call)
-        launch = kernel.bind_decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, None, sm_count=sm_count)
+        launch = kernel.bind_decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, table, sm_count=sm_count)
         if launch:
-            return lambda: launch(qd, kd, vd, out, lse, seqlens)
-        return lambda: kernel.decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, None, sm_count=sm_count)
+            return lambda: launch(qd, kd, vd, out, lse, seqlens, *tables)
+        return lambda: kernel.decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, table, sm_count=sm_count)
     if not kernel.takes_causal_offset(shape.causal, off):
         raise ValueError(f"{kernel.family} cannot take causal offset {off}")
     require_supported(kernel, q, k, v, q)

@@ -293,15 +293,21 @@ class Kernel:
                                                             block_table, sm_count, num_splits),
                            tensors, outputs=(3, 4), before_launch=ensure_allocator)
 
-    def compile_for(self, q, k, v, causal: bool, causal_offset: int) -> None:
+    def compile_for(self, q, k, v, causal: bool, causal_offset: int, page: int | None = None) -> None:
         """Build (or fetch from Triton's cache) the binary for these argument types, no launch.
         q, k, v: (B, H, N, D) as the other ops take them (a decode kernel sees them as a query of
-        N_q tokens and a full contiguous cache)."""
+        N_q tokens and a full cache: (B, N, H_kv, D), or pages of `page` tokens behind a block table)."""
         if self.op == "decode":
-            qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
+            qd = q.transpose(1, 2)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             seqlens = torch.full((q.shape[0],), k.shape[2], device=q.device, dtype=torch.int32)
-            self.decode(qd, kd, vd, torch.empty_like(qd), lse, 1.0, causal, seqlens, compile_only=True)
+            table = None
+            if page is None:
+                kd, vd = (t.transpose(1, 2).contiguous() for t in (k, v))
+            else:  # (only the layout matters to the compiler: one page, one table entry per sequence)
+                kd, vd = (t.new_empty((1, page, t.shape[1], t.shape[3])) for t in (k, v))
+                table = torch.zeros((q.shape[0], 1), device=q.device, dtype=torch.int32)
+            self.decode(qd, kd, vd, torch.empty_like(qd), lse, 1.0, causal, seqlens, table, compile_only=True)
             return
         if self.uses_tma:
             ensure_allocator()

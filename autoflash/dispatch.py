@@ -270,15 +270,19 @@ class Dispatcher:
         packed tensors (o: the output or dO). The problem is the dense one of the longest sequences
         with the packed tokens' work; its winner serves when its family takes packed sequences,
         else the op's default family (the only own families that take them are the defaults)."""
+        # The packed token counts change from batch to batch: the key holds what the choice depends
+        # on (their work bucket, the longest sequences' buckets, the layout without the batch stride).
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
-        key = ("varlen", op, causal, q.dtype, q.device, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
-               o.stride(), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k))
+        device_index = q.device.index if q.is_cuda else None
+        device = gpu_fingerprint(device_index)
+        work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
+        key = ("varlen", op, causal, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[3], work,
+               *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k))
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
-                device_index = q.device.index if q.is_cuda else None
-                device = gpu_fingerprint(device_index)
-                work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
+                if len(self.kernels) > 4096:  # many distinct layouts: keep the table bounded
+                    self.kernels.clear()
                 problem = Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                                   gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(max_seqlen_q),
                                   seqlen_k=seqlen_bucket(max_seqlen_k), work=work)

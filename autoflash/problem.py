@@ -179,7 +179,7 @@ class Shape:
     def label(self) -> str:
         c = " causal" if self.causal else ""
         g = f" gqa{self.heads_q}/{self.heads_kv}" if self.heads_q != self.heads_kv else ""
-        page = f" page{self.page}" if self.page is not None else ""
+        page = f" page{self.page}" if self.page is not None and self.op == "decode" else ""
         return (f"{'' if self.op == 'fwd' else self.op + ' '}{self.dtype} B{self.batch} H{self.heads_q} q{self.seqlen_q} k{self.seqlen_k} "
                 f"d{self.head_dim}{c}{g}{page}")
 

@@ -241,7 +241,8 @@ def problem_names(problem: Problem) -> dict:
                 seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k,
                 # occupancy bucket (problem.work_bucket); a key without one: plenty of work, as the
                 # grid of 16k tokens the first winners were tuned on
-                work=WORK_MAX if problem.work is None else problem.work)
+                work=WORK_MAX if problem.work is None else problem.work,
+                page_size=problem.page or 0)  # decode: a paged cache's block size; 0: contiguous
 
 
 def device_names(problem: Problem, device: GPUFingerprint) -> dict:

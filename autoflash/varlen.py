@@ -52,9 +52,22 @@ class VarlenAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _kernels_take(q, softmax_scale) -> bool:
-    reason = api._unsupported_reason(q[None], q[None], q[None], None, 0.0, softmax_scale)
-    return reason is None
+def _kernels_take(q, k, v, softmax_scale) -> bool:
+    """The packed kernels take this call (dtype, device, head dims, scale): else sequence by sequence."""
+    return api._unsupported_reason(q[None], k[None], v[None], None, 0.0, softmax_scale) is None
+
+
+class _NoAttention(torch.autograd.Function):
+    """No query or no key in the whole batch: out = 0, and zero gradients (not a missing graph)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.shapes = (q, k, v)
+        return q.new_zeros((*q.shape[:2], v.shape[2]))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return tuple(torch.zeros_like(t) for t in ctx.shapes)
 
 
 def _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal):
@@ -65,12 +78,12 @@ def _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal):
         if q1 == q0:
             continue
         if k1 == k0:
-            outs.append(q.new_zeros((q1 - q0, *q.shape[1:])))
+            outs.append(q.new_zeros((q1 - q0, q.shape[1], v.shape[2])))
             continue
         outs.append(api.flash_attn_func(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
                                         softmax_scale=softmax_scale, causal=causal)[0])
     if not outs:
-        return q.new_zeros(q.shape)
+        return q.new_zeros((*q.shape[:2], v.shape[2]))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
@@ -95,7 +108,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     cu_q, cu_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale, causal)
-    if q.shape[0] == 0 or k.shape[0] == 0 or not _kernels_take(q, softmax_scale):
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return _NoAttention.apply(q, k, v)
+    if not _kernels_take(q, k, v, softmax_scale):
         return _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal)
     longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))

@@ -35,7 +35,8 @@ def test_schema_and_migrations(tmp_path):
     assert store.db.execute("pragma journal_mode").fetchone()[0] == "wal"
     store.close()
     Store(path).close()  # re-opening applies nothing twice
-    assert [r["name"] for r in Store(path).db["_migrations"].rows] == ["001_initial", "002_run_process", "003_occupancy_key"]
+    assert [r["name"] for r in Store(path).db["_migrations"].rows] == ["001_initial", "002_run_process", "003_occupancy_key",
+                                                                       "004_paged_key"]
 
 
 def test_a_db_made_before_a_migration_gets_it_and_keeps_its_rows(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autoflash
-from autoflash import codegen
+from autoflash import api, codegen
 from autoflash.device import gpu_fingerprint
 from autoflash.dispatch import get_dispatcher
 from autoflash.problem import Problem
@@ -179,3 +179,46 @@ def test_gpu_varlen_variants_on_ragged_lengths(i, causal):
     scale = 1 / math.sqrt(128)
     got = run_varlen(codegen.load(fwd), codegen.load(bwd), q, k, v, do, lens_q, lens_k, causal, scale)
     check_against_reference(got, per_sequence_reference(q, k, v, do, lens_q, lens_k, causal, scale), 2e-2)
+
+
+@pytest.mark.interpreter
+def test_many_sequences_run_in_windows_of_the_grid_limit(monkeypatch):
+    """batch x heads programs on one grid axis: past CUDA's 65535 the packed launch runs in windows
+    of cu_seqlens. Shrunk here to 4 programs per axis: 7 sequences x 2 heads in 4 windows."""
+    fwd = codegen.load(FWD_SAMPLE[0])
+    bwd = codegen.load(next(v for v in BWD_SAMPLE if v["DQ_MODE"] == "separate"))
+    atomic = codegen.load(next(v for v in BWD_SAMPLE if v["DQ_MODE"] == "atomic"))
+    for kernel in (fwd, bwd, atomic):
+        monkeypatch.setattr(kernel.module, "MAX_GRID_AXIS", 4)
+    lens_q, lens_k = (3, 0, 20, 1, 9, 17, 2), (5, 4, 20, 0, 9, 30, 1)
+    q, k, v, do = packed_inputs(lens_q, lens_k, 2, 1, 16, torch.float32, "cpu", seed=3)
+    want = per_sequence_reference(q, k, v, do, lens_q, lens_k, True, 0.25)
+    for backward in (bwd, atomic):
+        check_against_reference(run_varlen(fwd, backward, q, k, v, do, lens_q, lens_k, True, 0.25), want, 1e-5)
+
+
+@pytest.mark.interpreter
+def test_no_query_or_no_key_at_all_gives_zeros_and_zero_gradients():
+    for total_q, total_k in ((4, 0), (0, 6)):
+        q = torch.randn(total_q, 2, 16, requires_grad=True)
+        k, v = (torch.randn(total_k, 2, 16, requires_grad=True) for _ in range(2))
+        out = autoflash.flash_attn_varlen_func(q, k, v, cu([total_q]), cu([total_k]), max(total_q, 1), max(total_k, 1))
+        assert out.shape == q.shape and not out.any()
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v)))
+
+
+@pytest.mark.interpreter
+def test_a_value_head_dim_other_than_the_query_one_falls_back_per_sequence():
+    """The packed kernels need one head dim: v of another one goes through flash_attn_func's
+    fallback (torch SDPA), with its warning, and gives the right shape and values."""
+    lens = (3, 5)
+    q, k = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    v = torch.randn(8, 2, 8)
+    api.reset()  # (each fallback reason warns once per process)
+    with pytest.warns(api.FallbackWarning):
+        out = autoflash.flash_attn_varlen_func(q, k, v, cu(lens), cu(lens), 5, 5)
+    assert out.shape == (8, 2, 8)
+    for a, b in ((0, 3), (3, 8)):
+        ref = torch.nn.functional.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)))
+        assert torch.allclose(out[a:b], ref.transpose(0, 1), atol=1e-5)

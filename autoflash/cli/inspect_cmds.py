@@ -62,7 +62,7 @@ def which(shapes, op, interpret):
     shape_list = load_shapes(shapes)
     device = gpu_fingerprint()
     disp = get_dispatcher()
-    t = Table(title=f"kernels served on {device.name} ({op}, contiguous inputs)")
+    t = Table(title=f"kernels served on {device.name} ({op}; tensors in their default layout)")
     for col in ("shape", "problem", "winner", "from", "variant"):
         t.add_column(col)
     for shape in shape_list:

@@ -100,7 +100,7 @@ def compile_variant(variant_json: str, family: str, shape: Shape, rep_ms: float,
         kernel = codegen.load(variant)
         if device_str != "cpu":  # the interpreter has nothing to compile
             for q, k, v, off in _gate_and_timing_inputs(shape, torch.device(device_str)):
-                kernel.compile_for(q, k, v, shape.causal, off)
+                kernel.compile_for(q, k, v, shape.causal, off, page=shape.page)
     except Exception as e:  # noqa: BLE001
         text = f"{type(e).__name__}: {e}"
         return Outcome("compile_error" if _is_compile_error(e, text) else "runtime_error",

@@ -39,7 +39,8 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
     same quantity (a vendor forward's output cannot feed autoflash's backward)."""
     scale = 1.0 / math.sqrt(shape.head_dim)
     if kernel.op == "decode":  # the (B, H, N, D) inputs seen as N_q new tokens against a full cache
-        qd, kd, vd = (t.transpose(1, 2) for t in (q, k, v))
+        # (B, N, H_kv, D) caches, as a model keeps them (rows H_kv * D apart)
+        qd, kd, vd = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         table = None
         if shape.page is not None:  # a paged problem: the same tokens behind a shuffled block table
             kd, vd, table = paged_cache(kd, vd, shape.page, torch.Generator(device=q.device).manual_seed(1))

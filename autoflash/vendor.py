@@ -76,7 +76,7 @@ class SdpaKernel:
     def bind_forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int):
         return None  # SDPA has its own host path
 
-    def compile_for(self, q, k, v, causal: bool, causal_offset: int) -> None:
+    def compile_for(self, q, k, v, causal: bool, causal_offset: int, page: int | None = None) -> None:
         pass  # nothing to build
 
     def __repr__(self) -> str:

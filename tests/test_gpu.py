@@ -18,8 +18,9 @@ from autoflash.space import load_space
 pytestmark = pytest.mark.gpu
 
 
-def gpu_sample(op: str, seed: int, pick):
-    """Per (head_dim, causal) on this GPU: pick(rng, valid variants) -> the variants to test."""
+def gpu_sample(op: str, seed: int, pick, heads_kv: int = 8):
+    """Per (head_dim, causal) on this GPU: pick(rng, valid variants) -> the variants to test
+    (valid for 8 query heads and `heads_kv` KV heads)."""
     if not torch.cuda.is_available():
         return []
     rng = random.Random(seed)
@@ -27,7 +28,7 @@ def gpu_sample(op: str, seed: int, pick):
     picked = []
     for d in (64, 128):
         for causal in (False, True):
-            valid = space.valid_variants(Shape(2, 8, 8, 1024, 1024, d, causal, "bfloat16", op=op).problem, device)
+            valid = space.valid_variants(Shape(2, 8, heads_kv, 1024, 1024, d, causal, "bfloat16", op=op).problem, device)
             picked += [(v, d, causal) for v in pick(rng, valid)]
     return picked
 
@@ -122,8 +123,10 @@ def test_shipped_winners_are_served_on_their_gpu():
     assert served > 0
 
 
-# Backward: one variant per dQ mode per (head_dim, causal).
-BWD_SAMPLE = gpu_sample("bwd", 11, lambda rng, valid: [rng.choice([v for v in valid if v["DQ_MODE"] == m]) for m in ("separate", "atomic")])
+# Backward: one variant per dQ mode per (head_dim, causal), and one that splits a GQA group of 4
+# (run on groups of 1 and 4 below: more slices than heads must stay exact too).
+BWD_SAMPLE = gpu_sample("bwd", 11, lambda rng, valid: [rng.choice([v for v in valid if v["DQ_MODE"] == m]) for m in ("separate", "atomic")]
+                        + [rng.choice([v for v in valid if v["GQA_SPLIT"] > 1])], heads_kv=2)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -56,7 +56,11 @@ def test_tma_needs_hopper_and_diagonal_order_needs_causal():
 def test_large_head_dim_limits_tiles():
     sp = load_space("fwd")
     valid = sp.valid_variants(problem(head_dim=256), HOPPER)
-    assert valid and all(v["BLOCK_N"] <= 64 and v["BLOCK_M"] <= 64 for v in valid)
+    assert valid and all(v["BLOCK_N"] <= 64 and (v["BLOCK_M"] <= 64 or v["num_warps"] == 8) for v in valid)
+    assert any(v["BLOCK_M"] == 128 for v in valid)  # 8 warps hold a 128 x 256 accumulator
+    bwd = load_space("bwd").valid_variants(Problem("bwd", "bfloat16", 256, True, 2, 4096, 4096), HOPPER)
+    assert all(v["BLOCK_M1"] <= 32 or v["num_warps"] == 8 for v in bwd)
+    assert any(v["BLOCK_M1"] == 64 for v in bwd)
 
 
 @pytest.mark.parametrize("values, match", [

@@ -85,13 +85,17 @@ def check_against_reference(got, want, tolerance):
         assert rel_error(mine, ref) <= tolerance
 
 
+STRUCTURE = {"fwd": ("LOADS", "MASK_MODE", "KV_ORDER", "GRID_ORDER"), "bwd": ("DQ_MODE", "GRID_ORDER", "LOADS", "GQA_SPLIT")}
+GROUP = {"fwd": 1, "bwd": 4}  # a GQA group, so that every split of it is offered
+
+
 def structural_sample(op: str, seed: int, dtype: str = "float16"):
     """One valid variant per structural choice of the op's default family (on a causal problem,
     so heavy-first orders are offered), with random tiles."""
     rng = random.Random(seed)
     space, device = load_space(op), gpu_fingerprint()
-    valid = space.valid_variants(Problem(op, dtype, 32, True, 1, 64, 64), device)
-    knobs = ("LOADS", "MASK_MODE", "KV_ORDER", "GRID_ORDER") if op == "fwd" else ("DQ_MODE", "GRID_ORDER", "LOADS")
+    valid = space.valid_variants(Problem(op, dtype, 32, True, GROUP[op], 64, 64), device)
+    knobs = STRUCTURE[op]
     picked = []
     for knob in knobs:
         for choice in sorted({v[knob] for v in valid}, key=str):
@@ -117,10 +121,9 @@ def test_varlen_variants_match_float64_per_sequence(i, case, causal):
 
 
 def test_the_sample_covers_every_structural_choice():
-    for sample, knobs, op in ((FWD_SAMPLE, ("LOADS", "MASK_MODE", "KV_ORDER", "GRID_ORDER"), "fwd"),
-                              (BWD_SAMPLE, ("DQ_MODE", "GRID_ORDER", "LOADS"), "bwd")):
-        valid = load_space(op).valid_variants(Problem(op, "float16", 32, True, 1, 64, 64), gpu_fingerprint())
-        for knob in knobs:
+    for sample, op in ((FWD_SAMPLE, "fwd"), (BWD_SAMPLE, "bwd")):
+        valid = load_space(op).valid_variants(Problem(op, "float16", 32, True, GROUP[op], 64, 64), gpu_fingerprint())
+        for knob in STRUCTURE[op]:
             assert {v[knob] for v in sample} == {v[knob] for v in valid}, knob
 
 

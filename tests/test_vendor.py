@@ -173,3 +173,20 @@ def test_tensors_a_vendor_backend_refuses_are_served_by_the_own_kernel(vendor_wi
     for _ in range(2):
         out = autoflash.attention(q_strided, k, v, is_causal=True, enable_gqa=True)
         assert rel_error(out, reference(q, k, v, True, 0, SHAPE.head_dim ** -0.5)[0]) < 1e-5
+
+
+def test_every_family_takes_the_tuners_compile_call():
+    """The tuner builds every candidate with kernel.compile_for(q, k, v, causal, offset, page=...),
+    a step the interpreter skips: each family's kernel must take that call (a vendor kernel that
+    did not failed every SDPA candidate on the GPU)."""
+    import inspect
+
+    from autoflash.space import FAMILIES
+
+    expected = list(inspect.signature(codegen.Kernel.compile_for).parameters)
+    for family in FAMILIES:
+        space = load_space(family)
+        kernel = codegen.load(Variant(family, tuple(sorted((k, c[0]) for k, c in space.knobs.items()))))
+        assert list(inspect.signature(type(kernel).compile_for).parameters) == expected, family
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    codegen.load(sdpa("bwd", "flash")).compile_for(q, k, v, True, 0, page=None)  # nothing to build, no error

@@ -222,3 +222,25 @@ def test_winner_of_an_earlier_template_seeds_the_search(tmp_path):
     assert tried[0] == tiny_default().as_dict() and tried[1] == carried
     # TINY is causal: the same two with their heaviest programs first come next.
     assert tried[2:4] == [dict(tiny_default().as_dict(), GRID_ORDER="heavy_first"), dict(carried, GRID_ORDER="heavy_first")]
+
+
+def test_vendor_candidates_are_all_measured_beside_the_trial_budget(tmp_path, monkeypatch):
+    """Every torch SDPA backend this device offers is measured before the own families' search and
+    outside its trial budget: a short search must not store an own kernel slower than SDPA because
+    it never timed SDPA. (Vendor kernels sit out interpreted runs, where they would beat every
+    interpreted kernel: let them compete here to see the order.)"""
+    from autoflash import codegen
+    from autoflash.tuning import tuner
+
+    monkeypatch.setattr(tuner, "competes", lambda family, interpret: True)
+    store = Store(tmp_path / "t.db")
+    shape = Shape(1, 2, 2, 37, 37, 32, True, "float32")
+    (result,) = tune([shape], store, TuneOptions(trials=1, interpret=True))
+    rows = list(store.db["trials"].rows)
+    vendor = [r for r in rows if r["template_hash"] == codegen.template_hash("sdpa_fwd")]
+    offered = load_space("sdpa_fwd").valid_variants(shape.problem, gpu_fingerprint())
+    assert sorted(json.loads(r["variant"])["BACKEND"] for r in vendor) == sorted(v["BACKEND"] for v in offered)
+    assert all(r["status"] == "ok" for r in vendor)
+    own = [r for r in rows if r not in vendor]
+    assert 1 <= len(own) <= 2  # the trial budget, split between the own families that have valid variants
+    assert result.status == "tuned" and not result.cut_short

@@ -134,7 +134,7 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Override the shape set's dtype.")
 @click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Time budget for the whole run, in minutes (default: none).")
-@click.option("--trials", type=click.IntRange(min=1), default=40, show_default=True, help="Measured candidates per problem.")
+@click.option("--trials", type=click.IntRange(min=1), default=40, show_default=True, help="Measured candidates of own kernels per problem (torch SDPA backends are measured beside them, on a GPU).")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None,
               help="Results DB (default: $AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,

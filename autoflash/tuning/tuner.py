@@ -1,6 +1,7 @@
 """The tuner: one Optuna study per problem, candidates measured in sandboxed workers, winners stored.
 
-Per problem (a shape set entry's bucket), for each kernel family of its op (trials split):
+Per problem (a shape set entry's bucket), every vendor candidate (torch SDPA backends: the bar),
+then for each own kernel family of its op (trials split):
   1. seed the study with the stored winner, the family's default and known-good variants;
   2. ask Optuna (TPE, multivariate, grouped) for a batch; constraint violations are told PRUNED
      before anything compiles; variants already in the DB are answered from it, not re-run;
@@ -44,6 +45,12 @@ def optuna_storage_path(db_path) -> str:
     return f"{db_path}.optuna.journal"
 
 
+def competes(family: str, interpret: bool) -> bool:
+    """Whether a family's candidates are searched: vendor kernels compete on a GPU; in the
+    interpreter they would beat every interpreted one."""
+    return not (interpret and load_space(family).vendor)
+
+
 class Tuner:
     def __init__(self, store: Store, options: TuneOptions, device: GPUFingerprint | None = None,
                  reporter: Reporter | None = None, command: str = ""):
@@ -83,21 +90,29 @@ class Tuner:
         budget split between them), then re-measure the best of all families together."""
         problem = shape.problem
         valid = {f: load_space(f).valid_variants(problem, self.device) for f in families_for(problem.op)}
-        # (vendor kernels compete on a GPU; in the interpreter they would beat every interpreted one)
-        families = [f for f in valid if valid[f] and not (self.opt.interpret and load_space(f).vendor)]
+        families = [f for f in valid if valid[f] and competes(f, self.opt.interpret)]
         if not families:
             return ProblemResult(shape, problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
         default = default_variant(problem.op, problem, self.device)
         done: dict[str, dict] = {}  # "family:variant json" -> trial row
         measured = failed = 0
-        for n, family in enumerate(families):
+        # Vendor kernels first, every one of them and beside the trial budget: a handful of variants
+        # with nothing to compile, and the bar an own kernel must clear. A short search that ran out
+        # of trials or time before reaching them stored own kernels slower than torch SDPA.
+        vendor = [f for f in families if load_space(f).vendor]
+        for family in vendor:
+            m, f = self._search(shape, family, valid[family], default, done, len(valid[family]), None)
+            measured, failed = measured + m, failed + f
+        own = [f for f in families if f not in vendor]
+        own_measured = 0
+        for n, family in enumerate(own):
             family_deadline = deadline
             if deadline is not None:  # the families left share the time left
-                family_deadline = self.clock() + (deadline - self.clock()) / (len(families) - n)
-            trials = max(1, (self.opt.trials - measured) // (len(families) - n))
+                family_deadline = self.clock() + (deadline - self.clock()) / (len(own) - n)
+            trials = max(1, (self.opt.trials - own_measured) // (len(own) - n))
             m, f = self._search(shape, family, valid[family], default, done, trials, family_deadline)
-            measured, failed = measured + m, failed + f
-        cut_short = deadline is not None and self.clock() >= deadline and measured < self.opt.trials
+            measured, failed, own_measured = measured + m, failed + f, own_measured + m
+        cut_short = deadline is not None and self.clock() >= deadline and own_measured < self.opt.trials
         result = self._pick_winner(shape, problem, done, default, measured, failed)
         result.cut_short = cut_short
         return result

@@ -150,6 +150,9 @@ class Space:
     constraints: tuple
     defaults: tuple = ()  # ((when rule, {knob: value}, measured), ...), applied in order
     vendor: str = ""  # a family of kernels autoflash does not generate (e.g. "torch_sdpa")
+    # knob -> the value that renders what the template rendered before the knob existed (a winner
+    # stored then is that kernel: `[legacy]` in the space file)
+    legacy: Mapping = dataclasses.field(default_factory=dict)
 
     # ---- sizes and enumeration
     @property
@@ -281,10 +284,14 @@ def parse_space(text: str, family: str | None = None) -> Space:
         for knob, value in values.items():
             if knob not in knobs or not any(type(value) is type(c) and value == c for c in knobs[knob]):
                 raise ValueError(f"[[defaults]] of {family}: {knob}={value!r} is not a declared choice")
+    legacy = dict(data.get("legacy", {}))
+    for knob, value in legacy.items():
+        if knob not in knobs or not any(type(value) is type(c) and value == c for c in knobs[knob]):
+            raise ValueError(f"[legacy] of {family}: {knob}={value!r} is not a declared choice")
     if bool(data.get("template")) == bool(data.get("vendor")):
         raise ValueError(f"search space of {family}: name either a `template` or a `vendor`, not both or neither")
     return Space(family=family, op=data["op"], template=data.get("template", ""), knobs=knobs, derived=derived,
-                 constraints=constraints, defaults=defaults, vendor=data.get("vendor", ""))
+                 constraints=constraints, defaults=defaults, vendor=data.get("vendor", ""), legacy=legacy)
 
 
 def default_variant(op: str, problem: Problem, device: GPUFingerprint) -> Variant:

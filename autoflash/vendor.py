@@ -15,9 +15,29 @@ What differs from a generated kernel, and who checks it:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from autoflash.reference import sdpa_backend
 from autoflash.space import Variant
+
+
+def _sdpa_switches():
+    """(backend, read, write) of torch's global SDPA backend switches, as
+    `torch.nn.attention.sdpa_kernel` sets them; None where this torch names them otherwise."""
+    try:
+        from torch.nn.attention import SDPBackend, _backend_names
+
+        return tuple((getattr(SDPBackend, member), getattr(torch._C, f"_get_{name}_sdp_enabled"),
+                      getattr(torch._C, f"_set_sdp_use_{name}")) for name, member in _backend_names.items())
+    except (ImportError, AttributeError):
+        return None
+
+
+# sdpa_kernel's own host path (a generator context manager that looks every switch up by name)
+# cost about 100 us per call on a CPU where torch SDPA's dispatch costs 20: a model whose
+# attention a vendor kernel serves paid it in every layer. The same switches, read and written
+# directly, cost a few microseconds (tests/test_vendor.py holds the two to the same effect).
+_SWITCHES = _sdpa_switches()
 
 
 class SdpaKernel:
@@ -48,12 +68,9 @@ class SdpaKernel:
 
     def attention(self, q, k, v, sm_scale: float, causal: bool, causal_offset: int = 0) -> torch.Tensor:
         """The output (B, H, Nq, D) of SDPA on this backend. Differentiable through torch autograd."""
-        import torch.nn.functional as F
-        from torch.nn.attention import sdpa_kernel
-
         if not self.takes_causal_offset(causal, causal_offset):
             raise ValueError(f"torch SDPA's causal mask is top-left; causal_offset {causal_offset} is not")
-        with sdpa_kernel([self._backend]):
+        with only_backend(self._backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
                                                   enable_gqa=q.shape[1] != k.shape[1])
 
@@ -81,3 +98,31 @@ class SdpaKernel:
 
     def __repr__(self) -> str:
         return f"SdpaKernel({self.family}: {self.backend})"
+
+
+class only_backend:
+    """`with only_backend(b):` torch SDPA may use backend b alone, as with
+    `torch.nn.attention.sdpa_kernel([b])`: the same global switches, restored on exit."""
+
+    __slots__ = ("backend", "previous", "fallback")
+
+    def __init__(self, backend):
+        self.backend, self.previous, self.fallback = backend, None, None
+
+    def __enter__(self):
+        if _SWITCHES is None:
+            from torch.nn.attention import sdpa_kernel
+
+            self.fallback = sdpa_kernel([self.backend])
+            return self.fallback.__enter__()
+        self.previous = [read() for _, read, _ in _SWITCHES]
+        for backend, _, write in _SWITCHES:
+            write(backend == self.backend)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fallback is not None:
+            return self.fallback.__exit__(*exc)
+        for (_, _, write), was in zip(_SWITCHES, self.previous):
+            write(was)
+        return False

@@ -244,3 +244,22 @@ def test_vendor_candidates_are_all_measured_beside_the_trial_budget(tmp_path, mo
     own = [r for r in rows if r not in vendor]
     assert 1 <= len(own) <= 2  # the trial budget, split between the own families that have valid variants
     assert result.status == "tuned" and not result.cut_short
+
+
+def test_a_knob_the_earlier_template_lacked_takes_its_legacy_value():
+    """GQA_SPLIT came after winners were stored: such a winner is the unsplit kernel, so it is
+    seeded with GQA_SPLIT = 1 (the space's [legacy] value), not the split today's default picks
+    for a long sequence with a large group and little parallel work."""
+    from autoflash import codegen
+    from autoflash.tuning.seeds import seed_variants
+
+    device = gpu_fingerprint()
+    problem = Problem("bwd", "float16", 64, True, 8, 8192, 8192, work=2)
+    default = default_variant("bwd", problem, device)
+    assert default["GQA_SPLIT"] == 8
+    old = {k: v for k, v in default.as_dict().items() if k != "GQA_SPLIT"}
+    old["num_stages"] = 2 if default["num_stages"] != 2 else 3
+    row = dict(problem=problem.key, template_hash="0123456789abcdef", variant=json.dumps(old), op="bwd",
+               head_dim=64, dtype="float16")
+    seeds = [s.as_dict() for s in seed_variants(default, problem, device, codegen.template_hash("triton_bwd"), [row], 40)]
+    assert dict(old, GQA_SPLIT=1) in seeds and dict(old, GQA_SPLIT=8) not in seeds

@@ -190,3 +190,28 @@ def test_every_family_takes_the_tuners_compile_call():
         assert list(inspect.signature(type(kernel).compile_for).parameters) == expected, family
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     codegen.load(sdpa("bwd", "flash")).compile_for(q, k, v, True, 0, page=None)  # nothing to build, no error
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient", "math"])
+def test_only_backend_switches_as_torchs_sdpa_kernel_does_and_restores(backend):
+    """The vendor kernels' cheap backend switch: inside it torch reports exactly the backends that
+    `sdpa_kernel([b])` leaves enabled; on exit (also by an exception) every switch is as before."""
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
+
+    from autoflash.reference import sdpa_backend
+    from autoflash.vendor import only_backend
+
+    b = sdpa_backend(backend)
+    before = _cur_sdpa_kernel_backends()
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):  # a caller's own choice, kept
+        outer = _cur_sdpa_kernel_backends()
+        with sdpa_kernel([b]):
+            theirs = _cur_sdpa_kernel_backends()
+        with only_backend(b):
+            assert _cur_sdpa_kernel_backends() == theirs == [b]
+        assert _cur_sdpa_kernel_backends() == outer
+        with pytest.raises(RuntimeError, match="inside"):
+            with only_backend(b):
+                raise RuntimeError("inside")
+        assert _cur_sdpa_kernel_backends() == outer
+    assert _cur_sdpa_kernel_backends() == before

@@ -116,7 +116,7 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
     short = [r for r in results if r.cut_short]
     if short:
         console.print(f"[yellow]{len(short)} of {len(results)} problems reached the time budget before {trials} "
-                      f"measured candidates (fewest: {min(r.measured for r in short)}). Short searches miss good "
+                      f"measured candidates (fewest: {min(r.measured if r.own_measured is None else r.own_measured for r in short)}). Short searches miss good "
                       "variants: the same command with a larger --budget continues them (trials already in "
                       "the DB count).[/]")
     elsewhere = [r for r in results if r.picked_by or r.status == "picking_elsewhere"]

@@ -50,6 +50,7 @@ class ProblemResult:
     failed: int
     status: str  # "tuned" | "no_valid_candidate" | "remeasure_failed" | "skipped" | "picking_elsewhere"
     cut_short: bool = False  # the time budget ended the search before its trial budget
+    own_measured: int | None = None  # candidates of own kernel families (the trial budget's count); None: all
     picked_by: str = ""  # 'host pid' of the worker that picked the winner, when another one did
 
     def tflops(self, method: str) -> float:

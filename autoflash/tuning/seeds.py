@@ -66,14 +66,15 @@ def read_shipped_winners(gpu_key: str) -> list[dict]:
 
 def _valid_variants(rows: list[dict], default: Variant | None, problem: Problem, device: GPUFingerprint, thash: str,
                     space: Space) -> list[Variant]:
-    """The rows' variants that are valid for this problem; a row of an earlier template gets the
-    default's value for each knob it lacks."""
+    """The rows' variants that are valid for this problem; a row of an earlier template gets, for
+    each knob it lacks, the value that renders its kernel (the space's `[legacy]`), else the
+    default's."""
     variants = []
     for w in rows:
         try:
             knobs = json.loads(w["variant"])
             if isinstance(knobs, dict) and default is not None and w["template_hash"] != thash:
-                knobs = {k: knobs.get(k, value) for k, value in default.as_dict().items()}
+                knobs = {k: knobs.get(k, space.legacy.get(k, value)) for k, value in default.as_dict().items()}
             variants.append(space.validate(knobs, problem, device))
         except ValueError:
             continue

@@ -96,9 +96,10 @@ class Tuner:
         default = default_variant(problem.op, problem, self.device)
         done: dict[str, dict] = {}  # "family:variant json" -> trial row
         measured = failed = 0
-        # Vendor kernels first, every one of them and beside the trial budget: a handful of variants
-        # with nothing to compile, and the bar an own kernel must clear. A short search that ran out
-        # of trials or time before reaching them stored own kernels slower than torch SDPA.
+        # Vendor kernels first, every one of them, beside the trial budget and the time budget: a
+        # handful of variants with nothing to compile (each bounded by the trial timeout), and the
+        # bar an own kernel must clear. A short search that ran out of trials or time before
+        # reaching them stored own kernels slower than torch SDPA.
         vendor = [f for f in families if load_space(f).vendor]
         for family in vendor:
             m, f = self._search(shape, family, valid[family], default, done, len(valid[family]), None)
@@ -114,7 +115,7 @@ class Tuner:
             measured, failed, own_measured = measured + m, failed + f, own_measured + m
         cut_short = deadline is not None and self.clock() >= deadline and own_measured < self.opt.trials
         result = self._pick_winner(shape, problem, done, default, measured, failed)
-        result.cut_short = cut_short
+        result.cut_short, result.own_measured = cut_short, own_measured
         return result
 
     def _search(self, shape: Shape, family: str, valid: list[Variant], default: Variant, done: dict, trials: int,

@@ -50,3 +50,49 @@ def db_with_winners(path, n=2, ms=1.0, gpu_name=None):
                          median_ms=ms, spread=0.0, tflops=1.0 / ms, trials=3)
     store.close()
     return path
+
+
+def run_in_clean_process(code: str, tmp_path, timeout: int = 900):
+    """Run `code` in a child Python without TRITON_INTERPRET and with empty Triton and kernel
+    caches (the GPU compiler on a CPU machine: with the interpreter on, Triton's own @jit helpers are
+    interpreted functions its compiler cannot inline, and a warm cache would hide that)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["AUTOFLASH_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(tests), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def capture_launches(jits):
+    """Make each @jit kernel's `warmup` (what a module's launch calls with compile_only=True) record
+    (kernel, args, kwargs) instead of compiling; returns the list it fills."""
+    launches = []
+    for jit in jits:
+        jit.warmup = (lambda jit: lambda *args, **kwargs: launches.append((jit, args, kwargs)))(jit)
+    return launches
+
+
+def compile_for_sm90(jit, args, kwargs):
+    """Compile one captured launch for Hopper (sm_90a) on this machine, GPU or not."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    kwargs = {k: v for k, v in kwargs.items() if k != "grid"}
+    constexprs = {name: kwargs[name] for name in jit.arg_names if name in kwargs}
+    values = iter(args)
+    signature = {name: "constexpr" if name in constexprs else mangle_type(next(values)) for name in jit.arg_names}
+    assert next(values, None) is None, "the launch passes more arguments than the kernel takes"
+    for name, kind in signature.items():  # an argument passed as None is a constexpr None
+        if kind == "constexpr" and name not in constexprs:
+            constexprs[name] = None
+    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+    compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.asm["cubin"] and ".target sm_90a" in compiled.asm["ptx"]

@@ -130,3 +130,54 @@ def test_backward_stays_finite_when_every_score_is_very_negative(mode):
     for mine, ref in zip((dq, dk, dv), reference_grads(q, k, v, do, False, 0, scale)):
         assert torch.isfinite(mine).all()
         assert rel_error(mine, ref) <= 1e-4
+
+
+# Variants the GPU compiler must take: a split GQA group (TMA, separate dQ; pointer loads, atomic dQ,
+# heavy-first) and the d256 default (8 warps, 64x64 / 128x32 tiles).
+SM90_VARIANTS = {
+    "split4-tma": (128, dict(GQA_SPLIT=4, LOADS="tma", DQ_MODE="separate")),
+    "split2-atomic": (64, dict(GQA_SPLIT=2, LOADS="pointer", DQ_MODE="atomic", BLOCK_M2=64, BLOCK_N2=32,
+                               GRID_ORDER="heavy_first")),
+    "d256-default": (256, dict(GQA_SPLIT=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(SM90_VARIANTS))
+def test_backward_kernels_compile_for_sm90(name, tmp_path):
+    """Every kernel a backward launch makes (preprocess, dK/dV, dQ, the GQA reduce) compiles for
+    Hopper on any machine: the interpreter runs code the GPU compiler may refuse (a plain global
+    read inside a kernel, for one)."""
+    from helpers import run_in_clean_process
+
+    code = f"from tests.test_backward_interpreter import compile_backward_for_sm90; compile_backward_for_sm90({name!r})"
+    done = run_in_clean_process(code, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = done.stdout.split()
+    assert kernels[0] == "_bwd_preprocess" and "_bwd_dkdv" in kernels
+    assert ("_bwd_gqa_reduce" in kernels) == (name != "d256-default")
+    assert ("_bwd_dq" in kernels) == ("atomic" not in name)
+
+
+def compile_backward_for_sm90(name: str) -> None:
+    """(Run by the test above in a clean process.) Capture a backward launch's kernels and compile
+    each for sm90; print their names."""
+    import dataclasses
+
+    from helpers import capture_launches, compile_for_sm90
+
+    head_dim, knobs = SM90_VARIANTS[name]
+    device = dataclasses.replace(gpu_fingerprint(), cc_major=9, cc_minor=0, smem_per_block=232448)
+    problem = Problem("bwd", "bfloat16", head_dim, True, 4, 4096, 4096, work=2)
+    space = load_space("bwd")
+    variant = space.validate({**space.default_for(problem, device).as_dict(), **knobs}, problem, device)
+    module = codegen.load(variant).module
+    jits = [getattr(module, n) for n in ("_bwd_preprocess", "_bwd_dkdv", "_bwd_dq", "_bwd_gqa_reduce") if hasattr(module, n)]
+    launches = capture_launches(jits)
+    q = torch.empty(2, 8, 300, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 300, head_dim, dtype=torch.bfloat16)
+    lse = torch.empty(2, 8, 300)
+    module.launch(q, k, k.clone(), q.clone(), lse, q.clone(), q.clone(), k.clone(), k.clone(), 0.1, True, 0,
+                  compile_only=True)
+    for jit, args, kwargs in launches:
+        compile_for_sm90(jit, args, kwargs)
+        print(jit.fn.__name__)

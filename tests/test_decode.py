@@ -7,7 +7,6 @@ bf16 numerics on realistic decode shapes.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -469,18 +468,11 @@ def test_kernel_clamps_lengths_and_pages_it_was_not_checked_for():
 def test_decode_kernels_compile_for_sm90(paged, loads, tmp_path):
     """The decode family's default compiles for Hopper on any machine (the CPU interpreter cannot see
     a kernel that the GPU compiler refuses): split and combine kernels, contiguous and paged, pointer
-    and TMA loads. In a child process without TRITON_INTERPRET and with an empty Triton cache: with
-    the interpreter on, Triton's own @jit helpers (tl.cdiv) are interpreted functions that its
-    compiler cannot inline, and a warm cache would hide that."""
-    import subprocess
-    import sys
+    and TMA loads, in a clean child process (helpers.run_in_clean_process)."""
+    from helpers import run_in_clean_process
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    env["AUTOFLASH_KERNEL_CACHE"] = str(tmp_path / "kernels")
     code = f"from tests.test_decode import compile_decode_for_sm90; compile_decode_for_sm90({paged!r}, {loads!r})"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    done = run_in_clean_process(code, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["_decode_split", "_decode_combine"]
 
@@ -488,19 +480,14 @@ def test_decode_kernels_compile_for_sm90(paged, loads, tmp_path):
 def compile_decode_for_sm90(paged: bool, loads: str) -> None:
     """(Run by the test above in a clean process.) Capture the launches `launch` would make and
     compile each for sm90; print the kernels' names."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
+    from helpers import capture_launches, compile_for_sm90
 
     from autoflash import codegen
 
     variant = Variant.of(decode_kernels.FAMILY, {**dict(decode_kernels.default_knobs(torch.bfloat16, 128, 4, 1, 4096, False)),
                                                  "LOADS": loads})
     module = codegen.load(variant).module
-    launches = []
-    for jit in (module._decode_split, module._decode_combine):  # what launch would build, captured
-        jit.warmup = (lambda jit: lambda *args, **kwargs: launches.append((jit, args, kwargs)))(jit)
+    launches = capture_launches((module._decode_split, module._decode_combine))
     q = torch.empty(3, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16) if paged else torch.empty(3, 640, 8, 128, dtype=torch.bfloat16)
     module.launch(q, cache, cache.clone(), torch.empty_like(q), torch.empty(3, 32, 1), 0.1, False,
@@ -508,14 +495,7 @@ def compile_decode_for_sm90(paged: bool, loads: str) -> None:
                   sm_count=132, compile_only=True, tma_ok=True)
     assert launches[0][2]["USE_TMA"] == (loads == "tma" and not paged)
     for jit, args, kwargs in launches:
-        constexprs = {name: kwargs[name] for name in jit.arg_names if name in kwargs}
-        values = iter(args)
-        signature = {name: "constexpr" if name in constexprs else mangle_type(next(values)) for name in jit.arg_names}
-        assert next(values, None) is None, "launch passes more arguments than the kernel takes"
-        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
-        compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                                  options=options)
-        assert compiled.asm["cubin"] and ".target sm_90a" in compiled.asm["ptx"]
+        compile_for_sm90(jit, args, kwargs)
         print(jit.fn.__name__)
 
 

@@ -193,6 +193,17 @@ def ensure_allocator() -> None:
         triton.set_allocator(_allocate_scratch)
 
 
+# CUDA caps grid axes 1 and 2 at 65535 programs, and a dense launch puts batch x heads on one of
+# them (which one depends on the grid order): a call with more runs in batch chunks (views).
+GRID_AXIS_MAX = 65535
+
+
+def batch_chunks(batch: int, heads: int) -> list[slice]:
+    """Slices of the batch whose launches stay under GRID_AXIS_MAX batch x heads programs."""
+    per = max(1, GRID_AXIS_MAX // max(heads, 1))
+    return [slice(first, min(first + per, batch)) for first in range(0, batch, per)] if batch > per else [slice(None)]
+
+
 class Kernel:
     """One compiled variant behind the family contract: typed forward/backward launches that
     prepare what the module needs (TMA scratch allocator) and say which tensors it cannot take."""
@@ -222,13 +233,15 @@ class Kernel:
         """o (B, H, Nq, D) and lse (B, H, Nq) float32 written in place."""
         if self.uses_tma:
             ensure_allocator()
-        self.module.launch(q, k, v, o, lse, sm_scale, causal, causal_offset)
+        for rows in batch_chunks(q.shape[0], q.shape[1]):
+            self.module.launch(*(t[rows] for t in (q, k, v, o, lse)), sm_scale, causal, causal_offset)
 
     def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
         """dq, dk, dv written in place from the forward's o and lse."""
         if self.uses_tma:
             ensure_allocator()
-        self.module.launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset)
+        for rows in batch_chunks(q.shape[0], q.shape[1]):
+            self.module.launch(*(t[rows] for t in (q, k, v, o, lse, do, dq, dk, dv)), sm_scale, causal, causal_offset)
 
     @property
     def supports_varlen(self) -> bool:

@@ -80,3 +80,36 @@ def test_variant_matches_float64_reference(variant, case, dtype):
     assert not torch.isnan(out).any(), "unwritten (poisoned) output"
     assert rel_error(out, ref_out) <= TOLERANCE[dtype]
     assert lse_error(lse, ref_lse) <= 1e-4
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_a_batch_with_more_programs_than_a_grid_axis_runs_in_chunks(op, monkeypatch):
+    """CUDA caps grid axes 1 and 2 at 65535 programs and a dense launch puts batch x heads on one of
+    them: a larger call runs in batch chunks (views, no copies) with the results of one launch.
+    (The cap lowered to 5 here: 3 x 2 heads = 6 rows of programs, in chunks of 2 batch entries.)"""
+    from autoflash.api import forward_with_lse
+    from autoflash.problem import Problem
+
+    q, k, v, do = (torch.randn(3, 2, 37, 16) for _ in range(4))
+    variant = load_space(op).default_for(Problem(op, "float32", 16, True, 1, 64, 64), gpu_fingerprint())
+    kernel = codegen.load(load_space(op).nearest_valid(variant, Problem(op, "float32", 16, True, 1, 64, 64),
+                                                       gpu_fingerprint()))
+    out, lse = forward_with_lse(q, k, v, True, 0, 0.25)
+
+    def run():
+        if op == "fwd":
+            o, l = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+            kernel.forward(q, k, v, o, l, 0.25, True, 0)
+            return o, l
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        kernel.backward(q, k, v, out, lse, do, *grads, 0.25, True, 0)
+        return grads
+
+    whole = run()
+    launches = []
+    real = kernel.module.launch
+    monkeypatch.setattr(kernel.module, "launch", lambda *a, **kw: (launches.append(a[0].shape[0]), real(*a, **kw)))
+    monkeypatch.setattr(codegen, "GRID_AXIS_MAX", 5)
+    chunked = run()
+    assert launches == [2, 1]
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))

@@ -198,10 +198,11 @@ def ensure_allocator() -> None:
 GRID_AXIS_MAX = 65535
 
 
-def batch_chunks(batch: int, heads: int) -> list[slice]:
-    """Slices of the batch whose launches stay under GRID_AXIS_MAX batch x heads programs."""
+def batch_chunks(batch: int, heads: int) -> list[slice] | None:
+    """Slices of the batch whose launches stay under GRID_AXIS_MAX batch x heads programs; None when
+    one launch takes the whole batch (the common case: no views made)."""
     per = max(1, GRID_AXIS_MAX // max(heads, 1))
-    return [slice(first, min(first + per, batch)) for first in range(0, batch, per)] if batch > per else [slice(None)]
+    return [slice(first, min(first + per, batch)) for first in range(0, batch, per)] if batch > per else None
 
 
 class Kernel:
@@ -233,15 +234,17 @@ class Kernel:
         """o (B, H, Nq, D) and lse (B, H, Nq) float32 written in place."""
         if self.uses_tma:
             ensure_allocator()
-        for rows in batch_chunks(q.shape[0], q.shape[1]):
-            self.module.launch(*(t[rows] for t in (q, k, v, o, lse)), sm_scale, causal, causal_offset)
+        tensors = (q, k, v, o, lse)
+        for rows in batch_chunks(q.shape[0], q.shape[1]) or [None]:
+            self.module.launch(*(tensors if rows is None else (t[rows] for t in tensors)), sm_scale, causal, causal_offset)
 
     def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
         """dq, dk, dv written in place from the forward's o and lse."""
         if self.uses_tma:
             ensure_allocator()
-        for rows in batch_chunks(q.shape[0], q.shape[1]):
-            self.module.launch(*(t[rows] for t in (q, k, v, o, lse, do, dq, dk, dv)), sm_scale, causal, causal_offset)
+        tensors = (q, k, v, o, lse, do, dq, dk, dv)
+        for rows in batch_chunks(q.shape[0], q.shape[1]) or [None]:
+            self.module.launch(*(tensors if rows is None else (t[rows] for t in tensors)), sm_scale, causal, causal_offset)
 
     @property
     def supports_varlen(self) -> bool:
@@ -292,9 +295,18 @@ class Kernel:
             raise TypeError(f"{self.family} is not a decode kernel family")
         if self.uses_tma:
             ensure_allocator()
-        return self.module.launch(q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens, block_table,
-                                  sm_count=sm_count, num_splits=num_splits, compile_only=compile_only,
-                                  tma_ok=self.uses_tma and tma_compatible(k_cache, v_cache))
+        chunks = batch_chunks(q.shape[0], k_cache.shape[2])  # (grid axis 1: batch x KV heads)
+        if chunks is None:
+            return self.module.launch(q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens, block_table,
+                                      sm_count=sm_count, num_splits=num_splits, compile_only=compile_only,
+                                      tma_ok=self.uses_tma and tma_compatible(k_cache, v_cache))
+        for rows in chunks:
+            caches = (k_cache, v_cache) if block_table is not None else (k_cache[rows], v_cache[rows])  # (pages: shared)
+            splits = self.module.launch(q[rows], *caches, o[rows], lse[rows], sm_scale, causal, seqlens[rows],
+                                        None if block_table is None else block_table[rows], sm_count=sm_count,
+                                        num_splits=num_splits, compile_only=compile_only,
+                                        tma_ok=self.uses_tma and tma_compatible(*caches))
+        return splits
 
     def bind_decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
                     sm_count: int = 1, num_splits: int | None = None):

@@ -464,6 +464,35 @@ def test_kernel_clamps_lengths_and_pages_it_was_not_checked_for():
     assert torch.allclose(out.double(), ref, atol=1e-4) and torch.isfinite(out).all()
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("layout", ["contiguous", 16])
+def test_a_batch_past_a_grid_axis_decodes_in_chunks(layout, monkeypatch):
+    """The decode grid puts batch x KV heads on CUDA's axis 1 (at most 65535 programs): a larger
+    batch runs in chunks of the batch (views; a paged cache's pages are shared, its table sliced)
+    with the results of one launch. (The cap lowered to 5: 4 x 2 KV heads = 8 rows, chunks of 2.)"""
+    q, kc, vc, seqlens, table, _, _ = make_problem(RAGGED, 1, 4, 2, 32, 64, layout, torch.float32, seed=3)
+    kernel = decode_kernels.load_kernel(dict(decode_kernels.default_knobs(torch.float32, 32, 2, 1, 64, False)))
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"))
+        kernel.decode(q, kc, vc, out, lse, 32 ** -0.5, False, seqlens, table)
+        return out, lse
+
+    whole = run()
+    launches = []
+    real = kernel.module.launch
+    monkeypatch.setattr(kernel.module, "launch", lambda *a, **kw: (launches.append(a[0].shape[0]), real(*a, **kw))[1])
+    monkeypatch.setattr(codegen, "GRID_AXIS_MAX", 5)
+    chunked = run()
+    assert launches == [2, 2]
+    # (a chunk's split count follows its own batch: the same sums, maybe in other partitions)
+    (out_w, lse_w), (out_c, lse_c) = whole, chunked
+    assert torch.allclose(out_w, out_c, atol=1e-5, rtol=1e-5)
+    assert torch.equal(lse_w.isinf(), lse_c.isinf())  # (a sequence with no key: +inf)
+    assert torch.allclose(lse_w.nan_to_num(posinf=0.0), lse_c.nan_to_num(posinf=0.0), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("paged, loads", [(False, "pointer"), (True, "pointer"), (False, "tma")])
 def test_decode_kernels_compile_for_sm90(paged, loads, tmp_path):
     """The decode family's default compiles for Hopper on any machine (the CPU interpreter cannot see

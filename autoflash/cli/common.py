@@ -80,6 +80,8 @@ def _check_head_dim(ctx, param, value):
 
 
 def problem_options(f):
+    f = click.option("--gqa-group", type=click.IntRange(1, 64), default=1, show_default=True,
+                     help="Query heads per KV head (GQA_SPLIT of the backward needs a group).")(f)
     f = click.option("--causal/--no-causal", default=False, show_default=True, help="Causal problem.")(f)
     f = click.option("--head-dim", type=click.IntRange(8, MAX_HEAD_DIM), default=128, show_default=True,
                      callback=_check_head_dim, help="Head dim (a multiple of 8 up to 256).")(f)
@@ -88,8 +90,8 @@ def problem_options(f):
     return f
 
 
-def problem(op, dtype, head_dim, causal, seqlen=4096) -> Problem:
-    return Problem(op=op, dtype=dtype, head_dim=head_dim, causal=causal, gqa_group=1,
+def problem(op, dtype, head_dim, causal, seqlen=4096, gqa_group=1) -> Problem:
+    return Problem(op=op, dtype=dtype, head_dim=head_dim, causal=causal, gqa_group=gqa_group,
                    seqlen_q=seqlen_bucket(seqlen), seqlen_k=seqlen_bucket(seqlen))
 
 

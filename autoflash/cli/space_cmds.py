@@ -13,10 +13,10 @@ from autoflash.cli.common import console, problem, problem_options
 @click.command()
 @problem_options
 @click.option("--list", "list_variants", is_flag=True, help="Print every valid variant as JSON, one a line.")
-def space(op, dtype, head_dim, causal, list_variants):
+def space(op, dtype, head_dim, causal, gqa_group, list_variants):
     """The search space of an op: its axes, and its size before and after constraints.
 
-    Constraints are evaluated for one problem (--dtype/--head-dim/--causal) on this machine's GPU
+    Constraints are evaluated for one problem (--dtype/--head-dim/--causal/--gqa-group) on this machine's GPU
     (or, without one, for the Triton interpreter, which allows every structural variant).
 
     Example: autoflash space --op fwd --head-dim 64 --causal
@@ -26,7 +26,7 @@ def space(op, dtype, head_dim, causal, list_variants):
 
     sp = load_space(op)
     device = gpu_fingerprint()
-    prob = problem(op, dtype, head_dim, causal)
+    prob = problem(op, dtype, head_dim, causal, gqa_group=gqa_group)
     valid = sp.valid_variants(prob, device)
     if list_variants:
         for v in valid:
@@ -72,20 +72,21 @@ def complete_variant(sp, given: dict, prob, device):
 @click.option("--variant", "variant_json", default="{}", show_default=True,
               help="Variant as JSON; knobs left out come from the built-in default, or, where the default's "
                    "values do not fit the given knobs, from the nearest valid variant that has them.")
-def render(op, dtype, head_dim, causal, variant_json):
+def render(op, dtype, head_dim, causal, gqa_group, variant_json):
     """Print the generated Triton source of one variant.
 
     The variant is checked against the declared space and its constraints for the given problem
     on this machine; an invalid one is an error naming the violated rule.
 
     Example: autoflash render --op fwd --variant '{"BLOCK_M": 64, "LOADS": "pointer"}'
+    Example: autoflash render --op bwd --gqa-group 4 --variant '{"GQA_SPLIT": 4}'
     """
     from autoflash import codegen
     from autoflash.device import gpu_fingerprint
     from autoflash.space import InvalidVariant, load_space, parse_variant_json
 
     device = gpu_fingerprint()
-    prob = problem(op, dtype, head_dim, causal)
+    prob = problem(op, dtype, head_dim, causal, gqa_group=gqa_group)
     try:
         given = parse_variant_json(op, variant_json)
         variant, filled = complete_variant(load_space(op), given, prob, device)

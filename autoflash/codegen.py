@@ -198,11 +198,14 @@ def ensure_allocator() -> None:
 GRID_AXIS_MAX = 65535
 
 
-def batch_chunks(batch: int, heads: int) -> list[slice] | None:
-    """Slices of the batch whose launches stay under GRID_AXIS_MAX batch x heads programs; None when
-    one launch takes the whole batch (the common case: no views made)."""
+def batch_chunks(batch: int, heads: int, *tensors):
+    """The tensors (batch-major; None passes through) as they go to each launch: all of them at once
+    when batch x heads programs fit GRID_AXIS_MAX (the common case: no views made), else batch
+    slices that do."""
     per = max(1, GRID_AXIS_MAX // max(heads, 1))
-    return [slice(first, min(first + per, batch)) for first in range(0, batch, per)] if batch > per else None
+    if batch <= per:
+        return [tensors]
+    return [tuple(None if t is None else t[first:first + per] for t in tensors) for first in range(0, batch, per)]
 
 
 class Kernel:
@@ -234,17 +237,15 @@ class Kernel:
         """o (B, H, Nq, D) and lse (B, H, Nq) float32 written in place."""
         if self.uses_tma:
             ensure_allocator()
-        tensors = (q, k, v, o, lse)
-        for rows in batch_chunks(q.shape[0], q.shape[1]) or [None]:
-            self.module.launch(*(tensors if rows is None else (t[rows] for t in tensors)), sm_scale, causal, causal_offset)
+        for chunk in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse):
+            self.module.launch(*chunk, sm_scale, causal, causal_offset)
 
     def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
         """dq, dk, dv written in place from the forward's o and lse."""
         if self.uses_tma:
             ensure_allocator()
-        tensors = (q, k, v, o, lse, do, dq, dk, dv)
-        for rows in batch_chunks(q.shape[0], q.shape[1]) or [None]:
-            self.module.launch(*(tensors if rows is None else (t[rows] for t in tensors)), sm_scale, causal, causal_offset)
+        for chunk in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse, do, dq, dk, dv):
+            self.module.launch(*chunk, sm_scale, causal, causal_offset)
 
     @property
     def supports_varlen(self) -> bool:
@@ -295,17 +296,14 @@ class Kernel:
             raise TypeError(f"{self.family} is not a decode kernel family")
         if self.uses_tma:
             ensure_allocator()
-        chunks = batch_chunks(q.shape[0], k_cache.shape[2])  # (grid axis 1: batch x KV heads)
-        if chunks is None:
-            return self.module.launch(q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens, block_table,
-                                      sm_count=sm_count, num_splits=num_splits, compile_only=compile_only,
-                                      tma_ok=self.uses_tma and tma_compatible(k_cache, v_cache))
-        for rows in chunks:
-            caches = (k_cache, v_cache) if block_table is not None else (k_cache[rows], v_cache[rows])  # (pages: shared)
-            splits = self.module.launch(q[rows], *caches, o[rows], lse[rows], sm_scale, causal, seqlens[rows],
-                                        None if block_table is None else block_table[rows], sm_count=sm_count,
+        paged = block_table is not None  # (a paged cache's pages are shared by the batch: not sliced)
+        for qc, oc, lc, sc, tc, kc, vc in batch_chunks(q.shape[0], k_cache.shape[2],  # (axis 1: batch x KV heads)
+                                                       q, o, lse, seqlens, block_table,
+                                                       *((None, None) if paged else (k_cache, v_cache))):
+            kc, vc = (k_cache, v_cache) if paged else (kc, vc)
+            splits = self.module.launch(qc, kc, vc, oc, lc, sm_scale, causal, sc, tc, sm_count=sm_count,
                                         num_splits=num_splits, compile_only=compile_only,
-                                        tma_ok=self.uses_tma and tma_compatible(*caches))
+                                        tma_ok=self.uses_tma and tma_compatible(kc, vc))
         return splits
 
     def bind_decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,

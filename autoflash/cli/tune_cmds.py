@@ -115,8 +115,9 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
             _Console(file=f, width=200, color_system=None).print(table)
     short = [r for r in results if r.cut_short]
     if short:
+        fewest = min(r.measured if r.own_measured is None else r.own_measured for r in short)
         console.print(f"[yellow]{len(short)} of {len(results)} problems reached the time budget before {trials} "
-                      f"measured candidates (fewest: {min(r.measured if r.own_measured is None else r.own_measured for r in short)}). Short searches miss good "
+                      f"measured candidates (fewest: {fewest}). Short searches miss good "
                       "variants: the same command with a larger --budget continues them (trials already in "
                       "the DB count).[/]")
     elsewhere = [r for r in results if r.picked_by or r.status == "picking_elsewhere"]

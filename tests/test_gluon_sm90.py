@@ -92,6 +92,11 @@ COMPILE_SAMPLE = [
     (knobs(BLOCK_N=64, NUM_STAGES=4), 64, torch.float16, True),
     (knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, CONSUMER_REGS=200),
      128, torch.bfloat16, True),
+    # Head dims under their tile (TMA pads): 96 in a 128 tile; and the 256 tile.
+    (knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, BLOCK_N=64), 96,
+     torch.bfloat16, True),
+    (knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, BLOCK_N=64, PINGPONG=True), 256,
+     torch.bfloat16, True),
 ]
 
 
@@ -129,14 +134,22 @@ def test_compiles_for_sm90(knob_values, head_dim, dtype, causal, module_dir):
     assert "wgmma.mma_async" in ptx  # tensor cores through wgmma, not mma.sync
     assert "cp.async.bulk.tensor" in ptx  # TMA
     assert "setmaxnreg" in ptx  # warp-specialized register split
+    tile = module.head_tile(head_dim)
+    assert f"wgmma.mma_async.sync.aligned.m64n{tile}k16" in ptx  # O += P V spans the whole head-dim tile
+
+
+def test_head_tile_pads_to_64_128_256():
+    module = render_module(knobs(), Path(os.environ.get("TMPDIR", "/tmp")))
+    assert [module.head_tile(d) for d in (8, 64, 72, 96, 128, 136, 256)] == [64, 64, 128, 128, 128, 256, 256]
 
 
 def test_supports_rejects_what_tma_cannot_take():
     module = render_module(knobs(), Path(os.environ.get("TMPDIR", "/tmp")))
     q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
     assert module.supports(q.float(), q.float(), q.float(), q.float()) is not None  # dtype
-    q96 = torch.empty(1, 2, 64, 96, dtype=torch.bfloat16)
-    assert "head dim" in module.supports(q96, q96, q96, q96)
+    for d in (100, 264):  # TMA rows need 16-byte multiples; the largest tile is 256
+        qd = torch.empty(1, 2, 64, d, dtype=torch.bfloat16)
+        assert "head dim" in module.supports(qd, qd, qd, qd)
     # CPU tensors are refused (the kernel runs on CUDA devices only)
     assert module.supports(q, q, q, q) is not None
 
@@ -216,16 +229,19 @@ def run_case(module, B, H, HK, NQ, NK, D, causal, offset, dtype, layout="bhnd", 
 
 
 def gpu_knobs(head_dim, **over):
-    return knobs(**over)
+    """The numerics variant for a head dim: at 256, 64-key slots (K/V of 128 keys do not fit)."""
+    return knobs(**({"BLOCK_N": 64} if head_dim > 128 else {}), **over)
 
 
 SQUARE = [1, 37, 113, 1023, 4111]
+# The tiles' own head dims, and head dims TMA pads into a larger tile (40 -> 64, 96 -> 128, 200 -> 256).
+HEAD_DIMS = [40, 64, 96, 128, 200, 256]
 RECT = [(113, 1023), (1023, 113), (37, 4111), (4111, 37), (1, 300)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("n", SQUARE)
 def test_ragged_square(n, causal, head_dim, dtype, module_dir):
@@ -234,7 +250,7 @@ def test_ragged_square(n, causal, head_dim, dtype, module_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("nq, nk", RECT)
 def test_rectangular_causal_alignments(nq, nk, align, head_dim, module_dir):
@@ -253,7 +269,7 @@ def test_offsets_outside_the_matrix(offset, module_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa_and_strided_layout(causal, head_dim, module_dir):
     module = get_module(gpu_knobs(head_dim), module_dir)
@@ -288,3 +304,25 @@ def test_knob_variants(knob_values, head_dim, module_dir):
     run_case(module, 2, 8, 2, 1023, 1100, head_dim, True, 1100 - 1023, torch.bfloat16, seed=1)
     run_case(module, 1, 4, 4, 4111, 4111, head_dim, False, 0, torch.float16, seed=2)
     run_case(module, 1, 4, 4, 37, 113, head_dim, True, 0, torch.bfloat16, seed=3)
+
+
+# The 256 tile: a sample of the structures its shared memory and registers allow (64-key slots, two
+# stages, one 128-row or two 64-row consumers, not persistent: an O buffer of its own does not fit).
+D256_SAMPLE = [
+    knobs(BLOCK_N=64),
+    knobs(BLOCK_N=64, INTRA_OVERLAP=False),
+    knobs(BLOCK_N=64, CONSUMER_WARPGROUPS=1, BLOCK_M=64),
+    knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, BLOCK_N=64, INTRA_OVERLAP=False),
+    knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, BLOCK_N=64, INTRA_OVERLAP=False, PINGPONG=True),
+    knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, BLOCK_N=64, INTRA_OVERLAP=False, HEAVY_FIRST=False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knob_values", D256_SAMPLE, ids=[str(i) for i in range(len(D256_SAMPLE))])
+def test_d256_variants(knob_values, module_dir):
+    module = get_module(knob_values, module_dir)
+    run_case(module, 2, 8, 2, 1023, 1100, 256, True, 1100 - 1023, torch.bfloat16, seed=1)
+    run_case(module, 1, 4, 4, 4111, 4111, 256, False, 0, torch.float16, seed=2)
+    run_case(module, 1, 4, 4, 37, 113, 256, True, 0, torch.bfloat16, seed=3)
+    run_case(module, 2, 4, 2, 1023, 1023, 200, True, 0, torch.bfloat16, seed=4, layout="bnhd")

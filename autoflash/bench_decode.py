@@ -1,6 +1,6 @@
 """Decode benchmark: `autoflash.flash_attn_with_kvcache` vs torch SDPA (cuDNN, flash) on one query
 token per sequence, in TB/s of K and V read (the bytes a decode step must stream), every
-implementation in one process, interleaved, median of do_bench medians. Paged caches (shuffled
+implementation in one process, interleaved, median of device-time medians. Paged caches (shuffled
 block tables) are timed beside the contiguous own kernel on the same tokens.
 
 Every implementation's output is compared with float32 SDPA first; one that disagrees (relative

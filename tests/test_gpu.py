@@ -219,3 +219,29 @@ def test_repeated_calls_launch_directly_and_stay_correct(b, h, n, d, causal, lay
         assert rel_error(out, ref) <= 2e-2
     launch = next(p for s, p in api.inference_plans.items() if s[0] == q.shape and s[3] == q.stride())
     assert launch.launches_directly  # really the direct launcher, not the module's launch
+
+
+def test_device_time_leaves_out_host_time():
+    """`device_ms` times the kernels, not a slow host path in front of them (do_bench times both)."""
+    import time
+
+    from autoflash.tuning.timing import bench_ms, device_ms
+
+    x = torch.zeros(1 << 20, device="cuda")
+
+    def slow_host_short_kernel():
+        time.sleep(0.002)  # 2 ms of host work in front of a few microseconds of GPU work
+        x.add_(1.0)
+
+    assert bench_ms(slow_host_short_kernel, rep_ms=50) > 1.5
+    assert device_ms(slow_host_short_kernel, rep_ms=50) < 0.5
+
+
+def test_device_time_agrees_with_do_bench_on_a_long_kernel():
+    """Where the host is negligible, the spin in front of the events changes nothing."""
+    from autoflash.tuning.timing import bench_ms, device_ms
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ratio = device_ms(lambda: a @ a, rep_ms=100) / bench_ms(lambda: a @ a, rep_ms=100)
+    assert 0.8 < ratio < 1.25, ratio
+

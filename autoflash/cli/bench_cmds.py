@@ -178,7 +178,7 @@ def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhea
           baseline_template, interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
-    All methods are timed in this one process, interleaved, median of do_bench medians.
+    All methods are timed in this one process, interleaved, median of device-time medians.
 
     Example: autoflash bench --shapes standard --plot bench.png --json bench.json
     Example: git show HEAD~1:templates/attn_fwd.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja

@@ -149,7 +149,7 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
                    "the DB).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
 @click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=40, show_default=True,
-              help="do_bench repetition time per candidate (ms).")
+              help="Timing repetition time per candidate (ms): device time, the host kept ahead of the GPU.")
 @click.option("--interpret", is_flag=True,
               help="Run the whole pipeline on tiny shapes in Triton's CPU interpreter (no GPU; timings are not GPU performance).")
 @output_option("--markdown", "md_path", help="Also write the final table as Markdown.")

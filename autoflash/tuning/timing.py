@@ -1,10 +1,12 @@
-"""Timing: medians from triton.testing.do_bench (CUDA events, L2 flush), SDPA backends in the same
-process, TFLOP/s. In the interpreter, the wall clock of one call (not GPU performance)."""
+"""Timing: device-time medians (CUDA events, L2 flush, the host kept ahead of the GPU: `device_ms`),
+SDPA backends in the same process, TFLOP/s. In the interpreter, the wall clock of one call (not GPU
+performance)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 
 import torch
@@ -18,10 +20,60 @@ from autoflash.tuning.gate import forward_kernel_for_backward, require_supported
 
 
 def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median milliseconds of fn() with CUDA events and an L2 flush between runs."""
+    """Median milliseconds of fn() by triton's do_bench (CUDA events, an L2 flush between runs): a
+    call's time including any host time the GPU waits for (a whole model step, as its user sees it)."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+FLUSH_BYTES = 256 << 20  # as do_bench: larger than any GPU's L2, so every timed call starts cold
+SPIN_CYCLES_PER_US = 4000  # torch.cuda._sleep counts cycles: 2x an H200's 1.98 GHz, so a spin lasts long enough
+
+
+def device_ms(fn, warmup_ms: float = 10, rep_ms: float = 100, max_reps: int = 1000) -> float:
+    """Median GPU milliseconds of fn(), with the host out of the way.
+
+    do_bench records an event, runs fn's host code, records another: when fn's host path (Python,
+    autograd, a library's dispatch) takes longer than its kernels, the interval is the host's speed,
+    and that moves with the machine's load (measured on an H200: cuDNN's 33 us forward timed 37 us
+    in one process and 63-67 us in three others; every short training step timed 500-600 us, its
+    kernels 120-290 us). Here the stream first spins (`torch.cuda._sleep`) for twice fn's host
+    time, so all of fn's work is queued before the first event is reached, then an L2 flush, then
+    the events: the interval is the kernels' own time (gaps between them included). Host cost per
+    call is measured separately (`autoflash bench --overhead`)."""
+    fn()
+    torch.cuda.synchronize()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    # Host time of one call (enqueue only) and device time of one call, from a few of each.
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    host_s = (time.perf_counter() - t0) / 3
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    spin = int(SPIN_CYCLES_PER_US * (2 * host_s * 1e6 + 20))
+    torch.cuda._sleep(spin)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    per_rep_ms = estimate_ms + spin / SPIN_CYCLES_PER_US * 2e-3 + 0.1  # + the spin (at up to 2x its nominal length) and the flush
+    reps = int(max(10, min(max_reps, rep_ms / estimate_ms, 3 * rep_ms / per_rep_ms)))
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        torch.cuda._sleep(spin)
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def time_variant(kernel: Kernel, shape: Shape, device, rep_ms: float = 100, align: str = "top_left") -> float:
@@ -92,9 +144,9 @@ def tflops(shape: Shape, ms: float) -> float:
 
 
 def time_callable(fn, device, rep_ms: float) -> float:
-    """Median ms by do_bench on a GPU; in the interpreter, the wall clock of one call."""
+    """Median device ms on a GPU (`device_ms`); in the interpreter, the wall clock of one call."""
     if torch.device(device).type == "cuda":
-        return bench_ms(fn, warmup_ms=10, rep_ms=rep_ms)
+        return device_ms(fn, warmup_ms=10, rep_ms=rep_ms)
     t0 = time.perf_counter()  # the interpreter: wall clock of one call, not GPU performance
     fn()
     return (time.perf_counter() - t0) * 1e3

@@ -18,8 +18,8 @@ import torch
 from autoflash import codegen
 from autoflash.problem import Shape, geomean
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
-from autoflash.tuning.timing import (SDPA_BACKENDS, bench_ms, device_ms, if_it_runs, launch_callable, sdpa_callable, tflops,
-                                     time_callable)
+from autoflash.tuning.timing import (SDPA_BACKENDS, bench_ms, device_ms, if_it_runs, launch_callable, sdpa_callable,
+                                     tflops, time_callable)
 from autoflash.space import Variant
 
 

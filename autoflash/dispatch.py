@@ -24,6 +24,7 @@ from autoflash.codegen import Kernel
 from autoflash.device import GPUFingerprint, gpu_fingerprint
 from autoflash.problem import Problem, Shape, dtype_name, seqlen_bucket, shape_work_bucket
 from autoflash.space import InvalidVariant, Variant, default_variant, load_space
+from autoflash.vendor import VENDOR_TIE_MARGIN
 
 MissHook = Callable[[Shape], None]
 _miss_hook: MissHook | None = None
@@ -53,7 +54,7 @@ class WinnerTable:
         self.device = device
         self.rows: dict[str, Variant] = {}  # problem key -> variant (of any current family)
         self.origins: dict[str, str] = {}  # problem key -> the DB file its winner came from
-        self._ms: dict[str, float] = {}  # problem key -> the winner's measured median (between families)
+        self._ms: dict[str, float] = {}  # problem key -> the winner's rank between families (see _load)
         # The same for autoflash's own families only (a vendor winner is stored beside the best own)
         self.own_rows: dict[str, Variant] = {}
         self.own_origins: dict[str, str] = {}
@@ -100,13 +101,15 @@ class WinnerTable:
                               RuntimeWarning, stacklevel=2)
                 continue
             ms = row.get("median_ms") if isinstance(row.get("median_ms"), (int, float)) else math.inf
-            tables = [(self.rows, self.origins, self._ms, decided)]
-            if not load_space(family).vendor:
-                tables.append((self.own_rows, self.own_origins, self._own_ms, own_decided))
-            for winners, origins, medians, done in tables:
-                if problem.key in done or (problem.key in winners and medians[problem.key] <= ms):
+            vendor = load_space(family).vendor
+            # Between families an own kernel must beat a vendor one by the tie margin (see vendor.py).
+            tables = [(self.rows, self.origins, self._ms, decided, ms if vendor else ms * (1 + VENDOR_TIE_MARGIN))]
+            if not vendor:
+                tables.append((self.own_rows, self.own_origins, self._own_ms, own_decided, ms))
+            for winners, origins, medians, done, rank in tables:
+                if problem.key in done or (problem.key in winners and medians[problem.key] <= rank):
                     continue  # two families' winners in one DB: the faster one serves
-                winners[problem.key], origins[problem.key], medians[problem.key] = variant, str(path), ms
+                winners[problem.key], origins[problem.key], medians[problem.key] = variant, str(path), rank
 
     def lookup(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str]:
         """(variant, how): exact bucket, else the nearest bucket of the same kind, else None.

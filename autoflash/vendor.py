@@ -33,6 +33,13 @@ def _sdpa_switches():
         return None
 
 
+# An own kernel serves in place of a vendor kernel (what the user had before autoflash) only when it
+# measured faster by more than this fraction; a tie goes to the vendor kernel. The same cuDNN kernel
+# timed twice in one process on an H200 differed by under 0.5% in most cells and by up to 4% in one
+# (docs/results/2026-12-02-h200-gluon-head-dims.md): a kernel "faster" by less than 2% may be slower.
+VENDOR_TIE_MARGIN = 0.02
+
+
 # sdpa_kernel's own host path (a generator context manager that looks every switch up by name)
 # cost about 100 us per call on a CPU where torch SDPA's dispatch costs 20: a model whose
 # attention a vendor kernel serves paid it in every layer. The same switches, read and written

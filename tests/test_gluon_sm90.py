@@ -234,8 +234,9 @@ def gpu_knobs(head_dim, **over):
 
 
 SQUARE = [1, 37, 113, 1023, 4111]
-# The tiles' own head dims, and head dims TMA pads into a larger tile (40 -> 64, 96 -> 128, 200 -> 256).
-HEAD_DIMS = [40, 64, 96, 128, 200, 256]
+# The tiles' own head dims, and head dims TMA pads into a larger tile (8, 40 -> 64, 96 -> 128,
+# 160, 200 -> 256: at 160 the tile's last 64-column copy lies wholly past the head dim).
+HEAD_DIMS = [8, 40, 64, 96, 128, 160, 200, 256]
 RECT = [(113, 1023), (1023, 113), (37, 4111), (4111, 37), (1, 300)]
 
 
@@ -315,6 +316,7 @@ D256_SAMPLE = [
     knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, BLOCK_N=64, INTRA_OVERLAP=False),
     knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, BLOCK_N=64, INTRA_OVERLAP=False, PINGPONG=True),
     knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, BLOCK_N=64, INTRA_OVERLAP=False, HEAVY_FIRST=False),
+    knobs(BLOCK_N=64, CONSUMER_WARPGROUPS=1, BLOCK_M=64, PERSISTENT=True),
 ]
 
 
@@ -326,3 +328,32 @@ def test_d256_variants(knob_values, module_dir):
     run_case(module, 1, 4, 4, 4111, 4111, 256, False, 0, torch.float16, seed=2)
     run_case(module, 1, 4, 4, 37, 113, 256, True, 0, torch.bfloat16, seed=3)
     run_case(module, 2, 4, 2, 1023, 1023, 200, True, 0, torch.bfloat16, seed=4, layout="bnhd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [40, 96, 160, 200])
+def test_padded_head_dims_read_and_write_nothing_past_the_head_dim(head_dim, module_dir):
+    """q, k, v and o as views [..., :D] of wider rows: NaN past D in the inputs must never be read
+    (TMA's box is wider than D), and a sentinel past D in the output must never be written."""
+    module = get_module(gpu_knobs(head_dim), module_dir)
+    B, H, HK, NQ, NK, pad = 2, 4, 2, 300, 517, 48  # (rows of D + 48 elements: 16-byte aligned strides)
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+
+    def wide(h, n, fill):
+        buf = torch.full((B, h, n, head_dim + pad), fill, device="cuda", dtype=torch.bfloat16)
+        buf[..., :head_dim] = torch.randn(B, h, n, head_dim, device="cuda", generator=gen)
+        return buf
+
+    qb, kb, vb = wide(H, NQ, float("nan")), wide(HK, NK, float("nan")), wide(HK, NK, float("nan"))
+    ob = torch.full((B, H, NQ, head_dim + pad), 7.0, device="cuda", dtype=torch.bfloat16)
+    q, k, v, o = (t[..., :head_dim] for t in (qb, kb, vb, ob))
+    lse = torch.empty(B, H, NQ, device="cuda", dtype=torch.float32)
+    assert module.supports(q, k, v, o) is None
+    scale = head_dim ** -0.5
+    module.launch(q, k, v, o, lse, scale, True, NK - NQ)
+    torch.cuda.synchronize()
+    assert (ob[..., head_dim:] == 7.0).all(), "the kernel wrote past the head dim"
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "the kernel read past the head dim"
+    ref, _, rows = reference(q, k, v, True, NK - NQ, scale)
+    assert rel_error(o, ref) <= 2 * sdpa_error(q, k, v, True, NK - NQ, scale, ref, rows) + 1e-4
+

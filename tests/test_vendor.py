@@ -215,3 +215,50 @@ def test_only_backend_switches_as_torchs_sdpa_kernel_does_and_restores(backend):
                 raise RuntimeError("inside")
         assert _cur_sdpa_kernel_backends() == outer
     assert _cur_sdpa_kernel_backends() == before
+
+
+@pytest.mark.parametrize("own_ms, served", [(0.99, "vendor"), (0.95, "own")])
+def test_an_own_kernel_serves_over_a_vendor_one_only_beyond_the_tie_margin(tmp_path, own_ms, served):
+    """Stored beside a vendor winner at 1.0 ms: an own kernel 1% faster is within the margin (the
+    vendor kernel, what the user had, serves); 5% faster, the own kernel serves."""
+    from autoflash.vendor import VENDOR_TIE_MARGIN
+
+    assert 0.01 < VENDOR_TIE_MARGIN < 0.05
+    problem, own = SHAPE.problem, default_variant("fwd", SHAPE.problem, DEVICE)
+    db = _db_with(tmp_path / "w.db", [(problem, sdpa("fwd", "flash"), 1.0), (problem, own, own_ms)])
+    table = WinnerTable(DEVICE, [db])
+    assert table.lookup(problem) == ((sdpa("fwd", "flash") if served == "vendor" else own), "exact")
+    assert table.lookup(problem, own_only=True) == (own, "exact")
+
+
+def _remeasure_scripted(methods, op, shape, rounds, rep_ms, device_str):
+    """Re-measure hook: the vendor candidate 1.00 ms; own candidates at the ms in OWN_MS (env)."""
+    import os
+
+    own_ms = float(os.environ["AUTOFLASH_TEST_OWN_MS"])
+    return {"samples": {m: [1.0 if m.startswith("sdpa_") else own_ms] * rounds for m in methods}}
+
+
+@pytest.mark.parametrize("own_ms, winner", [(0.99, "sdpa_fwd"), (0.95, "triton_fwd")])
+def test_the_tuner_stores_a_vendor_win_on_a_tie(tmp_path, monkeypatch, own_ms, winner):
+    """The pick applies the dispatcher's rule: an own candidate 1% faster than the vendor one in the
+    final re-measure loses to it (stored beside it), 5% faster it wins."""
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.tuner import Tuner
+
+    monkeypatch.setenv("AUTOFLASH_TEST_OWN_MS", str(own_ms))
+    problem, own = SHAPE.problem, default_variant("fwd", SHAPE.problem, DEVICE)
+    vendor_key, own_key = f"sdpa_fwd:{sdpa('fwd', 'flash').json()}", f"{own.family}:{own.json()}"
+    done = {vendor_key: {"status": "ok", "median_ms": 1.0}, own_key: {"status": "ok", "median_ms": 0.9}}
+    store = Store(tmp_path / "t.db")
+    tuner = Tuner(store, TuneOptions(trials=1, interpret=True, trial_timeout_s=60, remeasure_fn=_remeasure_scripted),
+                  device=DEVICE)
+    try:
+        result = tuner._pick_winner(SHAPE, problem, done, own, measured=2, failed=0)
+    finally:
+        tuner.close("done", 1)
+    assert result.status == "tuned" and result.winner.family == winner
+    stored = {r["template_hash"] for r in store.winners()}
+    store.close()
+    assert codegen.template_hash(own.family) in stored  # (beside a vendor win, or as the winner)
+    assert (codegen.template_hash("sdpa_fwd") in stored) == (winner == "sdpa_fwd")

@@ -31,17 +31,27 @@ FLUSH_BYTES = 256 << 20  # as do_bench: larger than any GPU's L2, so every timed
 SPIN_CYCLES_PER_US = 4000  # torch.cuda._sleep counts cycles: 2x an H200's 1.98 GHz, so a spin lasts long enough
 
 
-def device_ms(fn, warmup_ms: float = 10, rep_ms: float = 100, max_reps: int = 1000) -> float:
+def device_ms(fn, warmup_ms: float = 10, rep_ms: float = 100, max_reps: int = 1000, device=None) -> float:
     """Median GPU milliseconds of fn(), with the host out of the way.
 
     do_bench records an event, runs fn's host code, records another: when fn's host path (Python,
     autograd, a library's dispatch) takes longer than its kernels, the interval is the host's speed,
     and that moves with the machine's load (measured on an H200: cuDNN's 33 us forward timed 37 us
     in one process and 63-67 us in three others; every short training step timed 500-600 us, its
-    kernels 120-290 us). Here the stream first spins (`torch.cuda._sleep`) for twice fn's host
-    time, so all of fn's work is queued before the first event is reached, then an L2 flush, then
+    kernels 120-290 us). Here the stream first spins (`torch.cuda._sleep`, counted in cycles of a
+    4 GHz clock, so at least twice fn's host time on real clocks), so all of fn's work is queued
+    before the first event is reached, then an L2 flush, then
     the events: the interval is the kernels' own time (gaps between them included). Host cost per
-    call is measured separately (`autoflash bench --overhead`)."""
+    call is measured separately (`autoflash bench --overhead`).
+
+    As do_bench: work fn leaves on a side stream it never joins is not timed, and an fn that
+    synchronizes inside is timed with the host time after its sync. Wall time: up to ~3x rep_ms
+    (the spins), more on a GPU clocked well under 2 GHz. device: the GPU fn runs on (default current)."""
+    with torch.cuda.device(device):
+        return _device_ms(fn, warmup_ms, rep_ms, max_reps)
+
+
+def _device_ms(fn, warmup_ms: float, rep_ms: float, max_reps: int) -> float:
     fn()
     torch.cuda.synchronize()
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
@@ -53,16 +63,17 @@ def device_ms(fn, warmup_ms: float = 10, rep_ms: float = 100, max_reps: int = 10
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     spin = int(SPIN_CYCLES_PER_US * (2 * host_s * 1e6 + 20))
-    torch.cuda._sleep(spin)
+    torch.cuda._sleep(5 * spin)  # (the five calls' host work)
     start.record()
     for _ in range(5):
         fn()
     end.record()
     torch.cuda.synchronize()
     estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
-    per_rep_ms = estimate_ms + spin / SPIN_CYCLES_PER_US * 2e-3 + 0.1  # + the spin (at up to 2x its nominal length) and the flush
+    # Wall time of one repetition: the call, the spin (up to 2x its nominal length), the flush.
+    per_rep_ms = estimate_ms + spin / SPIN_CYCLES_PER_US * 2e-3 + 0.1
     reps = int(max(10, min(max_reps, rep_ms / estimate_ms, 3 * rep_ms / per_rep_ms)))
-    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+    for _ in range(max(1, int(warmup_ms / max(estimate_ms, host_s * 1e3)))):  # (host-bound calls: by host time)
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -146,7 +157,7 @@ def tflops(shape: Shape, ms: float) -> float:
 def time_callable(fn, device, rep_ms: float) -> float:
     """Median device ms on a GPU (`device_ms`); in the interpreter, the wall clock of one call."""
     if torch.device(device).type == "cuda":
-        return device_ms(fn, warmup_ms=10, rep_ms=rep_ms)
+        return device_ms(fn, warmup_ms=10, rep_ms=rep_ms, device=device)
     t0 = time.perf_counter()  # the interpreter: wall clock of one call, not GPU performance
     fn()
     return (time.perf_counter() - t0) * 1e3

@@ -34,7 +34,7 @@ from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions, media
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.seeds import current_winners, read_shipped_winners, seed_variants
 from autoflash.tuning.timing import tflops
-from autoflash.tuning.winner_rows import store_winner_rows
+from autoflash.tuning.winner_rows import is_vendor, store_winner_rows, vendor_on_a_tie
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -279,6 +279,9 @@ class Tuner:
         incumbent = self._incumbent(problem, set(ok))
         if incumbent:
             top.append(incumbent)
+        best_vendor = next((key for key in ok if is_vendor(key)), None)
+        if best_vendor:
+            top.append(best_vendor)  # the bar: an own kernel is stored only where it beats it (below)
         top = [key for key in dict.fromkeys(top) if self._gated_this_run(key, done[key], candidates[key], shape)]
         if incumbent not in top:
             incumbent = None
@@ -300,9 +303,13 @@ class Tuner:
         # Noise band: a re-tune keeps the stored winner unless a challenger beats it by more than
         # the winner's own round-to-round spread (at least 1%), so winners do not flap on noise.
         band = max(0.01, spread)
-        if incumbent in finite and winner_key != incumbent and medians[incumbent] <= medians[winner_key] * (1 + band):
+        # (Not across the own/vendor line: there a tie goes to the vendor kernel, `vendor_on_a_tie`.)
+        if (incumbent in finite and winner_key != incumbent and is_vendor(incumbent) == is_vendor(winner_key)
+                and medians[incumbent] <= medians[winner_key] * (1 + band)):
             winner_key = incumbent
             spread = spread_of(samples.get(winner_key, []))
+        if (tie := vendor_on_a_tie(winner_key, finite, medians)) != winner_key:
+            winner_key, spread = tie, spread_of(samples.get(tie, []))
         ms = {"tuned": medians[winner_key], "default": medians.get(default_key, math.nan),
               "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
         store_winner_rows(self.store, gpu_key=self.gpu_key, problem=problem, shape=shape, winner_key=winner_key,

@@ -11,11 +11,22 @@ from autoflash import codegen
 from autoflash.space import families_for, load_space
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.timing import tflops
+from autoflash.vendor import VENDOR_TIE_MARGIN
 
 
 def is_vendor(method: str) -> bool:
     """Whether a 'family:variant JSON' method is a vendor family's."""
     return bool(load_space(method.partition(":")[0]).vendor)
+
+
+def vendor_on_a_tie(winner_key: str, finite: list[str], medians: dict) -> str:
+    """The method to store: the fastest vendor candidate where the fastest own one beats it by no more
+    than the tie margin (the dispatcher ranks stored rows the same way), else `winner_key`."""
+    vendors = [m for m in finite if is_vendor(m)]
+    if not vendors or is_vendor(winner_key):
+        return winner_key
+    vendor_key = min(vendors, key=lambda m: medians[m])
+    return vendor_key if medians[vendor_key] <= medians[winner_key] * (1 + VENDOR_TIE_MARGIN) else winner_key
 
 
 def store_winner_rows(store, *, gpu_key, problem, shape, winner_key: str, finite: list[str], medians: dict,

@@ -39,10 +39,9 @@ def device_ms(fn, warmup_ms: float = 10, rep_ms: float = 100, max_reps: int = 10
     and that moves with the machine's load (measured on an H200: cuDNN's 33 us forward timed 37 us
     in one process and 63-67 us in three others; every short training step timed 500-600 us, its
     kernels 120-290 us). Here the stream first spins (`torch.cuda._sleep`, counted in cycles of a
-    4 GHz clock, so at least twice fn's host time on real clocks), so all of fn's work is queued
-    before the first event is reached, then an L2 flush, then
-    the events: the interval is the kernels' own time (gaps between them included). Host cost per
-    call is measured separately (`autoflash bench --overhead`).
+    4 GHz clock, so at least twice fn's host time on real clocks) while the host queues all of fn's
+    work, then flushes L2, then reaches the events: the interval is the kernels' own time (gaps
+    between them included). Host cost per call is measured on its own (`autoflash bench --overhead`).
 
     As do_bench: work fn leaves on a side stream it never joins is not timed, and an fn that
     synchronizes inside is timed with the host time after its sync. Wall time: up to ~3x rep_ms

@@ -17,6 +17,7 @@ from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning.sandbox import evaluate_variant
 from autoflash.tuning.winner_rows import store_winner_rows
+from autoflash.vendor import SdpaKernel
 
 pytestmark = pytest.mark.interpreter
 DEVICE = gpu_fingerprint()
@@ -262,3 +263,34 @@ def test_the_tuner_stores_a_vendor_win_on_a_tie(tmp_path, monkeypatch, own_ms, w
     store.close()
     assert codegen.template_hash(own.family) in stored  # (beside a vendor win, or as the winner)
     assert (codegen.template_hash("sdpa_fwd") in stored) == (winner == "sdpa_fwd")
+
+
+class _FlashAsOnCuda(SdpaKernel):
+    """torch's CUDA flash backend's rule, on the CPU: a causal call with Nq != Nk has no kernel
+    (torch raises the same "No available kernel" error there)."""
+
+    def attention(self, q, k, v, sm_scale, causal, causal_offset=0):
+        if causal and q.shape[2] != k.shape[2]:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return super().attention(q, k, v, sm_scale, causal, causal_offset)
+
+
+class _RefusesEverything(SdpaKernel):
+    def attention(self, q, k, v, sm_scale, causal, causal_offset=0):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_the_gate_leaves_out_shapes_a_vendor_backend_refuses_but_not_all_of_them(op):
+    """A vendor backend is gated on the shapes it takes (the API serves the others with the own
+    kernel); one that takes none fails; an own kernel's RuntimeError is never read as a refusal."""
+    from autoflash.tuning.gate import check, gate_shapes, refused_by_vendor
+
+    shape = Shape(**{**SHAPE.__dict__, "op": op})
+    assert any(g.seqlen_q != g.seqlen_k for g in gate_shapes(shape)) and shape.causal
+    result = check(_FlashAsOnCuda(sdpa(op, "flash")), shape, "cpu")
+    assert result.passed and result.err > 0, result.detail  # (the square shape was checked)
+    refused = check(_RefusesEverything(sdpa(op, "flash")), shape, "cpu")
+    assert not refused.passed and "refused every gate shape" in refused.detail
+    own = codegen.load(default_variant(op, shape.problem, DEVICE))
+    assert not refused_by_vendor(own, RuntimeError("No available kernel"))

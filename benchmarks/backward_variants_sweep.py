@@ -6,6 +6,8 @@ same process. GPU only.
     python benchmarks/backward_variants_sweep.py all    # d256 backward + GQA splits + d256 forward
     python benchmarks/backward_variants_sweep.py gqa    # GQA_SPLIT on the model set's GQA shapes
     python benchmarks/backward_variants_sweep.py prof   # per-kernel time of d256 backward variants
+    python benchmarks/backward_variants_sweep.py dq     # dQ modes (separate, atomic, tma_reduce) on the
+                                                        # cliffs and Gemma-2's training shapes (device time)
 
 Writes backward_variants_<phase>.json under $OUT (default /tmp); results: docs/results/2026-12-02-h200-d256-gqa-split.md.
 """
@@ -20,6 +22,27 @@ GQA = [(16, 8, 1, 512, 128), (4, 8, 1, 2048, 128), (1, 8, 1, 8192, 128),
        (16, 14, 2, 512, 64), (4, 14, 2, 2048, 64), (1, 14, 2, 8192, 64),
        (16, 9, 3, 512, 64), (4, 9, 3, 2048, 64), (16, 28, 4, 512, 128), (16, 32, 8, 512, 128),
        (2, 32, 32, 1777, 64), (3, 12, 12, 1024, 128)]
+# the issue's four cliffs, Gemma-2-9B's training shapes, Llama-3-8B and Qwen2.5-0.5B at 2k and 8k
+DQ = [(1, 8, 8, 4096, 128), (1, 8, 8, 4096, 256), (3, 12, 12, 1024, 128), (2, 32, 32, 1777, 64),
+      (16, 16, 8, 512, 256), (4, 16, 8, 2048, 256), (1, 16, 8, 8192, 256),
+      (4, 32, 8, 2048, 128), (1, 32, 8, 8192, 128), (4, 14, 2, 2048, 64), (16, 32, 8, 512, 128)]
+
+
+def dq_variants(fp, shape, space):
+    """The shape's default, its best-known atomic form, and the tma_reduce tiles that fit."""
+    prob = shape.problem
+    base = space.nearest_valid(space.default_for(prob, fp), prob, fp)
+    out = [base]
+    d = shape.head_dim
+    tiles = ([(64, 64, 8), (32, 64, 8), (32, 64, 4)] if d > 128 else
+             [(64, 128, 8), (64, 64, 4), (32, 128, 4), (64, 64, 8), (128, 128, 8)])
+    for (m1, n1, w), st, loads, order, mode in itertools.product(tiles, [1, 2, 3], ["tma", "pointer"],
+                                                                 ["kv_major", "heavy_first"], ["tma_reduce", "atomic"]):
+        if mode == "atomic" and (loads, order) != ("pointer", base["GRID_ORDER"]):
+            continue
+        out.append(base.replace(BLOCK_M1=m1, BLOCK_N1=n1, num_warps=w, num_stages=st, LOADS=loads,
+                                GRID_ORDER=order, DQ_MODE=mode, BLOCK_M2=64, BLOCK_N2=32))
+    return [v for i, v in enumerate(out) if not space.violations(v, prob, fp) and v not in out[:i]]
 
 
 def bwd_variants(fp, shape, space):
@@ -92,7 +115,7 @@ def main():
     from autoflash.problem import Shape
     from autoflash.space import load_space
     from autoflash.tuning.gate import check
-    from autoflash.tuning.timing import bench_ms, sdpa_callable
+    from autoflash.tuning.timing import bench_ms, device_ms
     from autoflash.reference import make_inputs
     from autoflash.tuning.gate import forward_kernel_for_backward
     import torch.nn.functional as F
@@ -102,6 +125,10 @@ def main():
     jobs = []  # (op, spec, variants)
     if PHASE == "prof":
         return profile()
+    if PHASE == "dq":
+        for spec in DQ:
+            sh = Shape(*spec[:4], spec[3], spec[4], True, "bfloat16", op="bwd")
+            jobs.append(("bwd", spec, dq_variants(fp, sh, bspace)))
     if PHASE in ("all", "bwd", "gqa"):
         for spec in (GQA if PHASE == "gqa" else D256 + GQA):
             sh = Shape(*spec[:4], spec[3], spec[4], True, "bfloat16", op="bwd")
@@ -152,7 +179,7 @@ def main():
                 results.append(dict(op=op, spec=spec, variant=var.as_dict(), status="compile_error"))
                 continue
             kern = codegen.load(var)
-            gk = (var.json(), d)
+            gk = (var.json(), d, Hq // Hkv)
             if gk not in gated:
                 try:
                     gated[gk] = check(kern, sh, "cuda")
@@ -178,7 +205,7 @@ def main():
         times = {n: [] for n in fns}
         for _ in range(2):
             for n, fn in fns.items():
-                times[n].append(bench_ms(fn, warmup_ms=5, rep_ms=25))
+                times[n].append(device_ms(fn, rep_ms=25) if PHASE == "dq" else bench_ms(fn, warmup_ms=5, rep_ms=25))
         med = {n: statistics.median(t) for n, t in times.items()}
         ref = med.get("cudnn_bwd", med.get("cudnn_fwd"))
         flops = 4 * B * Hq * N * N * d / 2 * (2.5 if op == "bwd" else 1)

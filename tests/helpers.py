@@ -79,7 +79,7 @@ def capture_launches(jits):
 
 
 def compile_for_sm90(jit, args, kwargs):
-    """Compile one captured launch for Hopper (sm_90a) on this machine, GPU or not."""
+    """Compile one captured launch for Hopper (sm_90a) on this machine, GPU or not; returns its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -96,3 +96,4 @@ def compile_for_sm90(jit, args, kwargs):
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
     compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"] and ".target sm_90a" in compiled.asm["ptx"]
+    return compiled.asm["ptx"]

@@ -139,6 +139,9 @@ SM90_VARIANTS = {
     "split2-atomic": (64, dict(GQA_SPLIT=2, LOADS="pointer", DQ_MODE="atomic", BLOCK_M2=64, BLOCK_N2=32,
                                GRID_ORDER="heavy_first")),
     "d256-default": (256, dict(GQA_SPLIT=1)),
+    # dQ added by the copy engine (no interpreter support: compiled here, run on the GPU only)
+    "d256-tma-reduce": (256, dict(GQA_SPLIT=1, DQ_MODE="tma_reduce", BLOCK_M2=64, BLOCK_N2=32, num_stages=1)),
+    "split2-tma-reduce": (64, dict(GQA_SPLIT=2, LOADS="pointer", DQ_MODE="tma_reduce", BLOCK_M2=64, BLOCK_N2=32)),
 }
 
 
@@ -152,21 +155,25 @@ def test_backward_kernels_compile_for_sm90(name, tmp_path):
     code = f"from tests.test_backward_interpreter import compile_backward_for_sm90; compile_backward_for_sm90({name!r})"
     done = run_in_clean_process(code, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    kernels = done.stdout.split()
-    assert kernels[0] == "_bwd_preprocess" and "_bwd_dkdv" in kernels
-    assert ("_bwd_gqa_reduce" in kernels) == (name != "d256-default")
-    assert ("_bwd_dq" in kernels) == ("atomic" not in name)
+    head_dim, knobs = SM90_VARIANTS[name]
+    kernels = dict(line.split(maxsplit=1) for line in done.stdout.splitlines())
+    assert list(kernels)[0] == "_bwd_preprocess" and "_bwd_dkdv" in kernels
+    assert ("_bwd_gqa_reduce" in kernels) == (knobs["GQA_SPLIT"] > 1)
+    dq_mode = knobs.get("DQ_MODE", "separate")  # (the d256 default's)
+    assert ("_bwd_dq" in kernels) == (dq_mode == "separate")
+    # the copy engine's reduce-add is what "tma_reduce" adds dQ with, and nothing else uses it
+    assert (kernels["_bwd_dkdv"] == "bulk-reduce") == (dq_mode == "tma_reduce")
 
 
 def compile_backward_for_sm90(name: str) -> None:
     """(Run by the test above in a clean process.) Capture a backward launch's kernels and compile
-    each for sm90; print their names."""
+    each for sm90; print their names, each with whether its PTX has a bulk tensor reduce."""
     import dataclasses
 
     from helpers import capture_launches, compile_for_sm90
 
     head_dim, knobs = SM90_VARIANTS[name]
-    device = dataclasses.replace(gpu_fingerprint(), cc_major=9, cc_minor=0, smem_per_block=232448)
+    device = dataclasses.replace(gpu_fingerprint(), name="NVIDIA H200", cc_major=9, cc_minor=0, smem_per_block=232448)
     problem = Problem("bwd", "bfloat16", head_dim, True, 4, 4096, 4096, work=2)
     space = load_space("bwd")
     variant = space.validate({**space.default_for(problem, device).as_dict(), **knobs}, problem, device)
@@ -179,5 +186,5 @@ def compile_backward_for_sm90(name: str) -> None:
     module.launch(q, k, k.clone(), q.clone(), lse, q.clone(), q.clone(), k.clone(), k.clone(), 0.1, True, 0,
                   compile_only=True)
     for jit, args, kwargs in launches:
-        compile_for_sm90(jit, args, kwargs)
-        print(jit.fn.__name__)
+        ptx = compile_for_sm90(jit, args, kwargs)
+        print(jit.fn.__name__, "bulk-reduce" if "cp.reduce.async.bulk.tensor" in ptx else "-")

@@ -61,17 +61,17 @@ def test_forward_replay_matches_the_module_bit_for_bit(variant):
 
 
 @gpu
-@pytest.mark.parametrize("dq_mode, gqa_split", [("separate", 1), ("atomic", 1), ("separate", 4)])
+@pytest.mark.parametrize("dq_mode, gqa_split", [("separate", 1), ("atomic", 1), ("tma_reduce", 1), ("separate", 4)])
 def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split):
     """The separate-dQ backward (three kernels, one scratch buffer; four and two with a split GQA
-    group) is bound and replays exactly; the atomic one (a zeroed accumulator and a torch copy
-    outside the kernels) is refused by the replay check, and the call it was given still has the
-    right gradients."""
+    group) is bound and replays exactly; the atomic and tma_reduce ones (a zeroed accumulator and a
+    torch copy outside the kernels) are refused by the replay check, and the call each was given
+    still has the right gradients."""
     shape = Shape(2, 8, 2 if gqa_split > 1 else 8, 1000, 1000, 64, True, "bfloat16", op="bwd")
     device = gpu_fingerprint()
     base = default_variant("bwd", shape.problem, device)
     space = load_space("triton_bwd")
-    tiles = {"BLOCK_M2": 64, "BLOCK_N2": 32} if dq_mode == "atomic" else {}  # (the space's rule for atomic)
+    tiles = {"BLOCK_M2": 64, "BLOCK_N2": 32} if dq_mode != "separate" else {}  # (the space's rule for atomic dQ)
     variant = space.nearest_valid(base.replace(DQ_MODE=dq_mode, GQA_SPLIT=gqa_split, **tiles), shape.problem, device)
     assert variant["DQ_MODE"] == dq_mode and variant["GQA_SPLIT"] == gqa_split
     kernel = codegen.load(variant)
@@ -84,7 +84,7 @@ def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split):
     kernel.backward(q, k, v, out, lse, do, *ref, 0.125, True, 0)
     for g, r in zip(grads, ref):  # the bound call's own results are the module's
         assert rel_error(g, r) <= 1e-2
-    if dq_mode == "atomic":
+    if dq_mode != "separate":
         assert launch is None
         return
     assert launch is not None

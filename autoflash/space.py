@@ -118,7 +118,8 @@ class Variant:
     def short(self) -> str:
         """Compact, for tables: tiles, warps, stages, then the other knobs' values (a true flag by
         its name, a false one left out), e.g. '128x64 w8 s3 m_major ascending tma split' or
-        '64x64/128x32 w4 s2 separate kv_major' (dK/dV tile / dQ tile; no dQ tile when dQ is added from the dK/dV kernel)."""
+        '64x64/128x32 w4 s2 separate kv_major' (dK/dV tile / dQ tile; no dQ tile when the dK/dV
+        kernel adds dQ itself)."""
         d = self.as_dict()
         if "BLOCK_M" in d:
             tiles = f"{d['BLOCK_M']}x{d['BLOCK_N']}"

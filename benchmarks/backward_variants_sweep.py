@@ -9,7 +9,8 @@ same process. GPU only.
     python benchmarks/backward_variants_sweep.py dq     # dQ modes (separate, atomic, tma_reduce) on the
                                                         # cliffs and Gemma-2's training shapes (device time)
 
-Writes backward_variants_<phase>.json under $OUT (default /tmp); results: docs/results/2026-12-02-h200-d256-gqa-split.md.
+Writes backward_variants_<phase>.json under $OUT (default /tmp); results: docs/results/2026-12-02-h200-d256-gqa-split.md
+(phase dq: docs/results/2026-12-02-h200-tma-reduce-dq.md).
 """
 import concurrent.futures as cf, itertools, json, math, os, statistics, sys, time
 import torch

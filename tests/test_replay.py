@@ -61,19 +61,24 @@ def test_forward_replay_matches_the_module_bit_for_bit(variant):
 
 
 @gpu
-@pytest.mark.parametrize("dq_mode, gqa_split", [("separate", 1), ("atomic", 1), ("tma_reduce", 1), ("separate", 4)])
-def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split):
+@pytest.mark.parametrize("dq_mode, gqa_split, dkdv_kernel", [("separate", 1, "triton"), ("atomic", 1, "triton"),
+                                                            ("tma_reduce", 1, "triton"), ("separate", 4, "triton"),
+                                                            ("separate", 1, "gluon_sm90")])
+def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split, dkdv_kernel):
     """The separate-dQ backward (three kernels, one scratch buffer; four and two with a split GQA
-    group) is bound and replays exactly; the atomic and tma_reduce ones (a zeroed accumulator and a
-    torch copy outside the kernels) are refused by the replay check, and the call each was given
-    still has the right gradients."""
+    group; the Gluon dK/dV kernel's TMA descriptors) is bound and replays exactly; the atomic and
+    tma_reduce ones (a zeroed accumulator and a torch copy outside the kernels) are refused by the
+    replay check, and the call each was given still has the right gradients."""
     shape = Shape(2, 8, 2 if gqa_split > 1 else 8, 1000, 1000, 64, True, "bfloat16", op="bwd")
     device = gpu_fingerprint()
     base = default_variant("bwd", shape.problem, device)
     space = load_space("triton_bwd")
     tiles = {"BLOCK_M2": 64, "BLOCK_N2": 32} if dq_mode != "separate" else {}  # (the space's rule for atomic dQ)
-    variant = space.nearest_valid(base.replace(DQ_MODE=dq_mode, GQA_SPLIT=gqa_split, **tiles), shape.problem, device)
-    assert variant["DQ_MODE"] == dq_mode and variant["GQA_SPLIT"] == gqa_split
+    if dkdv_kernel == "gluon_sm90":
+        tiles.update(BLOCK_M1=64, BLOCK_N1=128)  # (the space's rule for the Gluon kernel at d64)
+    variant = space.nearest_valid(base.replace(DQ_MODE=dq_mode, GQA_SPLIT=gqa_split, DKDV_KERNEL=dkdv_kernel, **tiles),
+                                  shape.problem, device)
+    assert (variant["DQ_MODE"], variant["GQA_SPLIT"], variant["DKDV_KERNEL"]) == (dq_mode, gqa_split, dkdv_kernel)
     kernel = codegen.load(variant)
     q, k, v = make_inputs(shape, "cuda", seed=1)
     out, lse = api.forward_with_lse(q, k, v, causal=True)

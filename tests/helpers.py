@@ -97,3 +97,21 @@ def compile_for_sm90(jit, args, kwargs):
     compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"] and ".target sm_90a" in compiled.asm["ptx"]
     return compiled.asm["ptx"]
+
+
+def compile_gluon_for_sm90(fn, args, constexprs, options):
+    """Compile a Gluon kernel's launch (its positional args, constexprs, options) for Hopper (sm_90a)
+    on this machine, GPU or not, with the interpreter off; returns the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from autoflash import codegen
+
+    values = iter(args)
+    signature = {name: "constexpr" if name in constexprs else mangle_type(next(values)) for name in fn.arg_names}
+    assert next(values, None) is None, "the launch passes more arguments than the kernel takes"
+    with codegen.interpreter_off():
+        return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=options)

@@ -101,22 +101,14 @@ COMPILE_SAMPLE = [
 
 
 def compile_for_sm90(module, head_dim, dtype, causal):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from helpers import compile_gluon_for_sm90
 
     q = torch.empty(2, 4, 333, head_dim, dtype=dtype)
     k = torch.empty(2, 2, 517, head_dim, dtype=dtype)
     v, o = torch.empty_like(k), torch.empty_like(q)
     lse = torch.empty(2, 4, 333, dtype=torch.float32)
     args, constexprs, grid, options = module._kernel_args(q, k, v, o, lse, 0.125, causal, 517 - 333)
-    fn = module._attn_fwd_sm90
-    values = iter(args)
-    signature = {name: "constexpr" if name in constexprs else mangle_type(next(values)) for name in fn.arg_names}
-    assert next(values, None) is None, "launch passes more arguments than the kernel takes"
-    with codegen.interpreter_off():
-        return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options=options)
+    return compile_gluon_for_sm90(module._attn_fwd_sm90, args, constexprs, options)
 
 
 @pytest.mark.parametrize("knob_values, head_dim, dtype, causal", COMPILE_SAMPLE,

@@ -140,7 +140,8 @@ SM90_VARIANTS = {
                                GRID_ORDER="heavy_first")),
     "d256-default": (256, dict(GQA_SPLIT=1)),
     # dQ added by the copy engine (no interpreter support: compiled here, run on the GPU only)
-    "d256-tma-reduce": (256, dict(GQA_SPLIT=1, DQ_MODE="tma_reduce", BLOCK_M2=64, BLOCK_N2=32, num_stages=1)),
+    "d256-tma-reduce": (256, dict(GQA_SPLIT=1, DQ_MODE="tma_reduce", BLOCK_M2=64, BLOCK_N2=32, num_stages=1,
+                                  DKDV_KERNEL="triton")),
     "split2-tma-reduce": (64, dict(GQA_SPLIT=2, LOADS="pointer", DQ_MODE="tma_reduce", BLOCK_M2=64, BLOCK_N2=32)),
 }
 

@@ -501,3 +501,41 @@ def test_optunas_own_symlink_lock_left_by_a_killed_run_is_cleared_after_its_grac
     t0 = time.monotonic()
     backend.append_logs([{"op_code": 0, "worker_id": "w", "study_name": "s", "directions": [1]}])
     assert time.monotonic() - t0 < 5
+
+
+def test_a_journal_lock_left_by_an_interrupt_in_this_process_is_cleared_at_once(tmp_path):
+    """Ctrl-C between the lock's creation and Optuna's try/finally leaves a lock naming this very
+    process: the next acquire (Optuna telling the interrupted trial FAIL) must not wait out the
+    grace period for it, and a lock another live thread holds must still be respected."""
+    from autoflash.tuning.journal import JournalPidLock, clear_stale_journal_lock
+
+    journal = str(tmp_path / "a.db.optuna.journal")
+    lock = JournalPidLock(journal)
+    lock.acquire()
+    from autoflash.tuning import journal as journal_module
+    journal_module._HELD.pop(lock.lock_file)  # what an interrupt before the acquire's bookkeeping leaves
+    assert os.path.exists(lock.lock_file)
+    t0 = time.monotonic()
+    assert JournalPidLock(journal).acquire()
+    assert time.monotonic() - t0 < 5
+    lock.release()
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # a live writer thread of this process holds the lock
+        other = JournalPidLock(journal)
+        other.acquire()
+        held.set()
+        release.wait(30)
+        other.release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        assert not clear_stale_journal_lock(lock.lock_file)  # not stale: its thread is alive
+    finally:
+        release.set()
+        holder.join(30)
+    assert not os.path.exists(lock.lock_file)
+    assert [p.name for p in tmp_path.iterdir()] == []  # no owner file left behind

@@ -8,8 +8,10 @@ is opened only after a stale lock is cleared.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
 
 import optuna
@@ -22,32 +24,47 @@ except ImportError:  # a future Optuna that moved it: its public lock classes sh
 
 JOURNAL_LOCK_GRACE_S = 30.0  # an owner we cannot check (another host, Optuna's symlink lock): its age
 
+# Lock files this process holds, and the thread holding each. A lock file naming this process
+# that is not here, or that the asking thread itself "holds", was left by an interrupt (Ctrl-C
+# between the file's creation and Optuna's try/finally): stale, not a live writer's.
+_HELD: dict[str, int] = {}
+
 
 class JournalPidLock(BaseJournalFileLock):
-    """Optuna's journal-file lock as an O_EXCL file `<journal>.lock` holding 'host pid'. A lock left
-    by a killed process (`kill -9` inside Optuna's critical section) is cleared as soon as its pid is
-    seen dead on this host, not after a stall; one whose owner cannot be checked (another host, an
-    empty file, Optuna's own symlink lock) after JOURNAL_LOCK_GRACE_S without change."""
+    """Optuna's journal-file lock as an exclusive file `<journal>.lock` holding 'host pid'. A lock
+    left by a killed process (`kill -9` inside Optuna's critical section) is cleared as soon as its
+    pid is seen dead on this host, one left by an interrupt in this process at its next acquire,
+    not after a stall; one whose owner cannot be checked (another host, Optuna's own symlink lock)
+    after JOURNAL_LOCK_GRACE_S without change."""
 
     def __init__(self, filepath: str, grace_s: float = JOURNAL_LOCK_GRACE_S):
         self.lock_file = filepath + ".lock"  # the same name as Optuna's locks: they exclude each other
         self.grace_s = grace_s
 
     def acquire(self) -> bool:
-        delay = 0.001
-        while True:
-            try:
-                fd = os.open(self.lock_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                if not clear_stale_journal_lock(self.lock_file, self.grace_s):
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.05)
-                continue
-            with os.fdopen(fd, "w") as f:
+        # The lock appears with its owner already written (a filled temporary file hard-linked into
+        # place, which fails if the lock exists): no reader ever sees an empty, uncheckable lock.
+        owner = f"{self.lock_file}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(owner, "w") as f:
                 f.write(f"{socket.gethostname()} {os.getpid()}\n")
-            return True
+            delay = 0.001
+            while True:
+                try:
+                    os.link(owner, self.lock_file)
+                except FileExistsError:
+                    if not clear_stale_journal_lock(self.lock_file, self.grace_s):
+                        time.sleep(delay)
+                        delay = min(delay * 2, 0.05)
+                    continue
+                _HELD[self.lock_file] = threading.get_ident()
+                return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(owner)
 
     def release(self) -> None:
+        _HELD.pop(self.lock_file, None)
         try:
             os.unlink(self.lock_file)
         except OSError as e:
@@ -56,8 +73,9 @@ class JournalPidLock(BaseJournalFileLock):
 
 def clear_stale_journal_lock(lock_file: str, grace_s: float = JOURNAL_LOCK_GRACE_S) -> bool:
     """Remove `lock_file` when its owner is gone: a 'host pid' lock of this host whose process is
-    dead, or any lock (Optuna's symlink, an unreadable one) unchanged for grace_s seconds.
-    True when no lock is left (removed, or none was there)."""
+    dead, one of this process that no live thread of it holds (see _HELD), or any lock (Optuna's
+    symlink, an unreadable one) unchanged for grace_s seconds. True when no lock is left (removed,
+    or none was there)."""
     try:
         st = os.lstat(lock_file)
     except FileNotFoundError:
@@ -71,6 +89,10 @@ def clear_stale_journal_lock(lock_file: str, grace_s: float = JOURNAL_LOCK_GRACE
                 host, pid = f.read().split()
             if host == socket.gethostname() and int(pid) != os.getpid():
                 os.kill(int(pid), 0)
+            elif host == socket.gethostname():
+                holder = _HELD.get(lock_file)
+                stale = holder is None or holder == threading.get_ident() or holder not in {
+                    t.ident for t in threading.enumerate()}
         except ProcessLookupError:
             stale = True  # its process died holding it
         except (OSError, ValueError):  # unreadable, half-written, alive under another user

@@ -3,6 +3,7 @@ foreign and read-only DBs, crafted trials, stale journal locks. Real files, real
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib._bootstrap_external as bootstrap_external
 import importlib.util
@@ -11,6 +12,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -539,3 +541,17 @@ def test_a_journal_lock_left_by_an_interrupt_in_this_process_is_cleared_at_once(
         holder.join(30)
     assert not os.path.exists(lock.lock_file)
     assert [p.name for p in tmp_path.iterdir()] == []  # no owner file left behind
+
+
+def test_the_journal_lock_works_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    from autoflash.tuning.journal import JournalPidLock
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    lock = JournalPidLock(str(tmp_path / "a.journal"))
+    assert lock.acquire()
+    assert pathlib.Path(lock.lock_file).read_text().split() == [socket.gethostname(), str(os.getpid())]
+    lock.release()
+    assert [p.name for p in tmp_path.iterdir()] == []

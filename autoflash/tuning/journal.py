@@ -9,6 +9,7 @@ is opened only after a stale lock is cleared.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import threading
@@ -44,14 +45,15 @@ class JournalPidLock(BaseJournalFileLock):
     def acquire(self) -> bool:
         # The lock appears with its owner already written (a filled temporary file hard-linked into
         # place, which fails if the lock exists): no reader ever sees an empty, uncheckable lock.
+        text = f"{socket.gethostname()} {os.getpid()}\n"
         owner = f"{self.lock_file}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
         try:
             with open(owner, "w") as f:
-                f.write(f"{socket.gethostname()} {os.getpid()}\n")
+                f.write(text)
             delay = 0.001
             while True:
                 try:
-                    os.link(owner, self.lock_file)
+                    _create_exclusively(self.lock_file, owner, text)
                 except FileExistsError:
                     if not clear_stale_journal_lock(self.lock_file, self.grace_s):
                         time.sleep(delay)
@@ -69,6 +71,22 @@ class JournalPidLock(BaseJournalFileLock):
             os.unlink(self.lock_file)
         except OSError as e:
             raise RuntimeError(f"error releasing the journal lock {self.lock_file}: {e}") from e
+
+
+def _create_exclusively(path: str, filled: str, text: str) -> None:
+    """Create `path` holding `text`, or raise FileExistsError: a hard link of the filled file
+    `filled`; where the file system has no hard links, an O_EXCL create and a write."""
+    try:
+        os.link(filled, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def clear_stale_journal_lock(lock_file: str, grace_s: float = JOURNAL_LOCK_GRACE_S) -> bool:

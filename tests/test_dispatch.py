@@ -195,3 +195,31 @@ def test_backward_reads_grad_out_through_tma_only_when_it_can(monkeypatch):
         assert ran[-1] == loads
         for mine, ref in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, grad, True, 0, 96 ** -0.5)):
             assert rel_error(mine, ref) < 1e-4
+
+
+def test_every_shipped_winner_is_servable_on_its_own_gpu():
+    """A shipped row of a current template that its GPU's dispatcher would reject (a knob missing
+    after a template gained one, a value the space no longer allows) silently serves defaults
+    there: each must validate against today's space under the fingerprint stored with it."""
+    import sqlite3
+
+    from autoflash import resources
+    from autoflash.device import GPUFingerprint
+    from autoflash.space import load_space
+
+    fields = [f.name for f in dataclasses.fields(GPUFingerprint)]
+    checked = 0
+    for path in resources.shipped_databases():
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        db.row_factory = sqlite3.Row
+        gpus = {row["gpu_key"]: GPUFingerprint(**{f: row[f] for f in fields}) for row in db.execute("SELECT * FROM gpus")}
+        for row in db.execute("SELECT * FROM winners"):
+            problem = Problem.from_key(row["problem"])
+            family = codegen.family_for_hash(problem.op, row["template_hash"])
+            if family is None:  # tuned for another version of the templates: not served, on purpose
+                continue
+            device = gpus[row["gpu_key"]]
+            load_space(family).validate(json.loads(row["variant"]), problem, device)  # raises if rejected
+            checked += 1
+        db.close()
+    assert checked > 0

@@ -231,7 +231,7 @@ def _bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                     IS_CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
                     DQ_WAIT: gl.constexpr, DQ_TMA: gl.constexpr, WRITER_ROWS: gl.constexpr,
-                    WRITER_REGS: gl.constexpr):
+                    WRITER_REGS: gl.constexpr, DQ_SWIZZLE: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -241,7 +241,11 @@ def _bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pl)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pl)
     # the writer's dQ tile (queries x head dim): unswizzled, read back a few rows at a time
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    if DQ_SWIZZLE:  # rows q and q + 2 of the consumer's transposed store land in different bank groups
+        # (compiles for sm90; not yet run on a GPU: the measured runs used the plain layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
+    else:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(dq_full, count=1)
@@ -295,7 +299,7 @@ def _dq_view(t, rows):
 
 def kernel_args(q, k, v, do, dk, dv, lse, delta, dq_acc, sm_scale, is_causal, causal_offset,
                 block_m=64, block_n=None, stages=2, heavy_first=True, p_smem=True, dq_wait=1, dq_tma=2, writer_rows=8,
-                writer_regs=56):
+                writer_regs=56, dq_swizzle=False):
     B, H, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
     block_n = block_n or (128 if D <= 128 else 64)
@@ -305,7 +309,7 @@ def kernel_args(q, k, v, do, dk, dv, lse, delta, dq_acc, sm_scale, is_causal, ca
             float(sm_scale), NQ, NK, D, H, HKV, H // HKV, int(causal_offset))
     cx = dict(IS_CAUSAL=bool(is_causal), HEAVY_FIRST=heavy, BLOCK_M=block_m, BLOCK_N=block_n,
               HEAD_DIM=head_tile(D), STAGES=stages, P_SMEM=p_smem, DQ_WAIT=dq_wait, DQ_TMA=dq_tma,
-              WRITER_ROWS=writer_rows, WRITER_REGS=writer_regs)
+              WRITER_ROWS=writer_rows, WRITER_REGS=writer_regs, DQ_SWIZZLE=dq_swizzle)
     nb = triton.cdiv(NK, block_n)
     grid = (B * HKV, nb) if heavy else (nb, B * HKV)
     return args, cx, grid, dict(num_warps=8, maxnreg=(65536 // (12 * 32)) // 8 * 8)

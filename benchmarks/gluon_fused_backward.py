@@ -11,6 +11,7 @@ DQ_TMA 0: float32 atomics from the consumer's registers; 1: a TMA reduce-add by 
 shared memory, which reduce-adds it WRITER_ROWS rows at a time while the consumer goes on.
 
     python benchmarks/gluon_fused_backward.py correct          # float64 gate, ragged lengths (DIMS=128,64,96)
+    (SPECS=0,3 picks shapes of the timing list by index, after the MAXD filter)
     VARIANTS='{"sync": {"dq_tma": 1}}' python benchmarks/gluon_fused_backward.py time   # vs template, cuDNN
 
 Writes fused_<phase>.json under $OUT (default /tmp).
@@ -409,13 +410,13 @@ def main():
             fns["cudnn_bwd"] = lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
             fns["fused"] = lambda: fused(q, k, v, o, lse, do, scale, True, 0, dq_acc=dq_acc, **KW)
             delta = (do.float() * o.float()).sum(-1).contiguous()
-            fns["fused_kernel_only"] = lambda: _bwd_fused_sm90[grid](*args, **cx, **opts)
+            dk2, dv2 = torch.empty_like(k), torch.empty_like(v)
+            args, cx, grid, opts = kernel_args(q, k, v, do, dk2, dv2, lse, delta, dq_acc, scale, True, 0, **KW)
+            fns["fused_kernel_only"] = lambda a=args, c=cx, g=grid, o=opts: _bwd_fused_sm90[g](*a, **c, **o)
             for vname, vkw in json.loads(os.environ.get("VARIANTS", "{}")).items():
                 a2, c2, g2, o2 = kernel_args(q, k, v, do, torch.empty_like(k), torch.empty_like(v), lse, delta, dq_acc,
                                                scale, True, 0, **dict(KW, **vkw))
                 fns["kernel_" + vname] = (lambda a2=a2, c2=c2, g2=g2, o2=o2: _bwd_fused_sm90[g2](*a2, **c2, **o2))
-            dk2, dv2 = torch.empty_like(k), torch.empty_like(v)
-            args, cx, grid, opts = kernel_args(q, k, v, do, dk2, dv2, lse, delta, dq_acc, scale, True, 0, **KW)
             # correctness of this very call against cuDNN's gradients (bf16-level agreement)
             g = fns["fused"](); gc = fns["cudnn_bwd"]()
             agree = [rel_error(a, b.to(a.dtype)) for a, b in zip(g, gc)]
@@ -431,8 +432,11 @@ def main():
             res["time"].append(dict(spec=(B, H, HKV, N, d), variant=var.short(), ms=med, agree_vs_cudnn=agree))
             print(f"[{time.time()-T0:.0f}s] B{B} H{H}/{HKV} N{N} d{d} (agree {['%.3g' % a for a in agree]}): " + "  ".join(
                 f"{n} {t*1e3:.0f}us {fl/t/1e9:.0f}TF" for n, t in med.items())
-                + f"  fused/cudnn {med['cudnn_bwd']/med['fused']:.3f} template/cudnn {med['cudnn_bwd']/med['template_bwd']:.3f}", flush=True)
-    json.dump(res, open(f"{OUT}/fused_{PH}.json", "w"), indent=1, default=str)
+                + "".join(f"  {n}/cudnn {med['cudnn_bwd'] / med[n]:.3f}" for n in ("fused", "template_bwd")
+                          if n in med and "cudnn_bwd" in med), flush=True)
+            json.dump(res, open(f"{OUT}/fused_{PH}.json", "w"), indent=1, default=str)  # after each shape
+    if PH != "time":
+        json.dump(res, open(f"{OUT}/fused_{PH}.json", "w"), indent=1, default=str)
 
 
 if __name__ == "__main__":

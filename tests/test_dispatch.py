@@ -201,6 +201,7 @@ def test_every_shipped_winner_is_servable_on_its_own_gpu():
     """A shipped row of a current template that its GPU's dispatcher would reject (a knob missing
     after a template gained one, a value the space no longer allows) silently serves defaults
     there: each must validate against today's space under the fingerprint stored with it."""
+    import contextlib
     import sqlite3
 
     from autoflash import resources
@@ -210,16 +211,16 @@ def test_every_shipped_winner_is_servable_on_its_own_gpu():
     fields = [f.name for f in dataclasses.fields(GPUFingerprint)]
     checked = 0
     for path in resources.shipped_databases():
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        db.row_factory = sqlite3.Row
-        gpus = {row["gpu_key"]: GPUFingerprint(**{f: row[f] for f in fields}) for row in db.execute("SELECT * FROM gpus")}
-        for row in db.execute("SELECT * FROM winners"):
-            problem = Problem.from_key(row["problem"])
-            family = codegen.family_for_hash(problem.op, row["template_hash"])
-            if family is None:  # tuned for another version of the templates: not served, on purpose
-                continue
-            device = gpus[row["gpu_key"]]
-            load_space(family).validate(json.loads(row["variant"]), problem, device)  # raises if rejected
-            checked += 1
-        db.close()
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            db.row_factory = sqlite3.Row
+            gpus = {row["gpu_key"]: GPUFingerprint(**{f: row[f] for f in fields})
+                    for row in db.execute("SELECT * FROM gpus")}
+            for row in db.execute("SELECT * FROM winners"):
+                problem = Problem.from_key(row["problem"])
+                family = codegen.family_for_hash(problem.op, row["template_hash"])
+                if family is None:  # tuned for another version of the templates: not served, on purpose
+                    continue
+                # raises InvalidVariant where the dispatcher would reject the row
+                load_space(family).validate(json.loads(row["variant"]), problem, gpus[row["gpu_key"]])
+                checked += 1
     assert checked > 0

@@ -531,7 +531,7 @@ def test_a_journal_lock_left_by_an_interrupt_in_this_process_is_cleared_at_once(
         release.wait(30)
         other.release()
 
-    holder = threading.Thread(target=hold)
+    holder = threading.Thread(target=hold, daemon=True)
     holder.start()
     try:
         assert held.wait(30)
@@ -541,6 +541,60 @@ def test_a_journal_lock_left_by_an_interrupt_in_this_process_is_cleared_at_once(
         holder.join(30)
     assert not os.path.exists(lock.lock_file)
     assert [p.name for p in tmp_path.iterdir()] == []  # no owner file left behind
+
+
+def test_a_journal_lock_taken_after_a_long_wait_is_new(tmp_path):
+    """A lock taken after waiting out another host's stale lock must not look as old as the wait
+    (others judge a lock of another host by its age): its file is made at the attempt that wins."""
+    from autoflash.tuning.journal import JournalPidLock
+
+    journal = str(tmp_path / "a.journal")
+    pathlib.Path(journal + ".lock").write_text("another-host 12345\n")  # fresh: waited out for 1 s
+    lock = JournalPidLock(journal, grace_s=1.0)
+    t0 = time.time()
+    lock.acquire()
+    assert time.time() - t0 >= 1.0
+    assert time.time() - os.lstat(lock.lock_file).st_mtime < 0.5
+    checker = subprocess.run([sys.executable, "-c", "import sys\nfrom autoflash.tuning.journal import "
+                              "clear_stale_journal_lock as c\nprint(c(sys.argv[1], 30.0))", lock.lock_file],
+                             capture_output=True, text=True, check=True)
+    assert checker.stdout.strip() == "False"  # another process on this host sees a live lock
+    lock.release()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_threads_of_one_process_never_share_the_journal_lock(tmp_path):
+    """Each thread with its own lock object on one journal: the critical sections never overlap."""
+    from autoflash.tuning.journal import JournalPidLock
+
+    journal = str(tmp_path / "a.journal")
+    inside, overlaps, errors = [0], [], []
+
+    def work():
+        lock = JournalPidLock(journal)
+        try:
+            for _ in range(3000):
+                lock.acquire()
+                inside[0] += 1
+                if inside[0] != 1:
+                    overlaps.append(inside[0])
+                inside[0] -= 1
+                lock.release()
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(old)
+    assert not overlaps and not errors, (overlaps[:5], errors[:3])
+    assert [p.name for p in tmp_path.iterdir()] == []
 
 
 def test_the_journal_lock_works_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):

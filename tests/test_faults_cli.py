@@ -123,18 +123,18 @@ def test_ctrl_c_in_a_command_says_interrupted_and_exits_130(tmp_path):
     assert r.exit_code == 130 and "interrupted" in r.output and "Aborted" not in r.output
 
 
-def _default_sigint():
-    # A test run started in the background by a non-interactive shell inherits SIGINT ignored, and
-    # Python then installs no KeyboardInterrupt handler: the tuner must see Ctrl-C as a terminal
-    # delivers it.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# `python -m autoflash` with Python's Ctrl-C handler installed: a test run started in the background
+# by a non-interactive shell inherits SIGINT ignored, and Python then installs none (the tuner must
+# see Ctrl-C as a terminal delivers it).
+RUN_WITH_SIGINT = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "sys.argv[0] = 'autoflash'; runpy.run_module('autoflash', run_name='__main__', alter_sys=True)")
 
 
 def test_sigint_during_a_real_tune_exits_130(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "autoflash", "tune", "--interpret", "--trials", "200",
+    proc = subprocess.Popen([sys.executable, "-c", RUN_WITH_SIGINT, "tune", "--interpret", "--trials", "200",
                              "--db", str(tmp_path / "t.db")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, preexec_fn=_default_sigint)
+                            text=True, env=env)
     try:
         lines = []
         deadline = time.monotonic() + 120

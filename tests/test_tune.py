@@ -263,3 +263,50 @@ def test_a_knob_the_earlier_template_lacked_takes_its_legacy_value():
                head_dim=64, dtype="float16")
     seeds = [s.as_dict() for s in seed_variants(default, problem, device, codegen.template_hash("triton_bwd"), [row], 40)]
     assert dict(old, GQA_SPLIT=1) in seeds and dict(old, GQA_SPLIT=8) not in seeds
+
+
+def report_training_forward(variant_json, family, shape, rep_ms, device):
+    """A real evaluation, whose message says which forward the backward candidates were timed after."""
+    from autoflash.tuning import timing
+
+    outcome = sandbox.evaluate_variant(variant_json, family, shape, rep_ms, device)
+    forward = timing.training_forward
+    outcome.message = json.dumps(forward and [forward.family, forward.json()])
+    return outcome
+
+
+def test_backward_candidates_are_timed_after_the_stored_forward_winner(tmp_path):
+    """A training step serves an own backward with the own forward winner of its shape, so the
+    backward's candidates (and the own/vendor decision) are timed after that forward, not after the
+    forward default; with no forward stored, after the default."""
+    fwd = Shape(1, 2, 2, 37, 37, 64, True, "float16")
+    bwd = Shape(1, 2, 2, 37, 37, 64, True, "float16", op="bwd")
+    device = gpu_fingerprint()
+    options = TuneOptions(trials=2, interpret=True, evaluate_fn=report_training_forward)
+
+    def forwards_seen(store):
+        rows = [t for t in store.db["trials"].rows_where("problem = ? and status = 'ok'", [bwd.problem.key])]
+        assert rows
+        return {r["message"] for r in rows}
+
+    alone = Store(tmp_path / "alone.db")
+    tune([bwd], alone, options)  # no forward winner stored: the default times them
+    assert forwards_seen(alone) == {"null"}
+
+    both = Store(tmp_path / "both.db")
+    (fwd_result,) = tune([fwd], both, TuneOptions(trials=2, interpret=True))
+    tune([bwd], both, options)
+    assert forwards_seen(both) == {json.dumps([fwd_result.winner.family, fwd_result.winner.json()])}
+
+
+def test_a_given_forward_variant_gives_the_backward_its_output():
+    from autoflash import codegen
+    from autoflash.reference import make_inputs
+
+    fwd = Shape(1, 2, 2, 37, 37, 64, True, "float16")
+    q, k, v = make_inputs(fwd, "cpu", seed=1)
+    default = default_variant("fwd", fwd.problem, gpu_fingerprint())
+    other = next(variant for variant in load_space(default.family).valid_variants(fwd.problem, gpu_fingerprint())
+                 if variant != default)
+    assert gate.forward_kernel_for_backward(q, k, v, True, other) is codegen.load(other)
+    assert gate.forward_kernel_for_backward(q, k, v, True) is codegen.load(default)

@@ -94,7 +94,10 @@ def _tune_shapes(op_list, shapes, dtype, interpret):
 
     def default_set(op):  # the decode op has its own shapes (a few new tokens against a cache)
         return ("decode_tiny" if interpret else "decode") if op == "decode" else ("tiny" if interpret else "standard")
-    shape_list = [s for op in op_list for s in load_shapes(shapes or default_set(op), op)]
+    # Forward problems first: a backward problem's candidates are timed after the stored forward
+    # winner of its shape (what training serves with them), where one exists.
+    ordered = sorted(op_list, key=lambda op: op != "fwd")
+    shape_list = [s for op in ordered for s in load_shapes(shapes or default_set(op), op)]
     if dtype:
         shape_list = [dataclasses.replace(s, dtype=dtype) for s in shape_list]
     if interpret and any(s.dtype == "bfloat16" for s in shape_list):

@@ -21,7 +21,7 @@ from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_cou
 from autoflash.problem import Shape
 from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, paged_cache, reference, reference_grads, rel_error,
                                  sdpa_error, sdpa_grads)
-from autoflash.space import default_variant, load_space
+from autoflash.space import Variant, default_variant, load_space
 
 GATE_FACTOR = 2.0  # candidate error <= GATE_FACTOR * SDPA's error (DESIGN.md §4)
 GATE_FLOOR = {"float32": 1e-5, "float16": 5e-4, "bfloat16": 4e-3}  # relative L2: binds only when SDPA is ~exact
@@ -135,9 +135,15 @@ def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateRe
 GRAD_GATE_FACTOR = 3.0  # gradients: error <= 3x SDPA's own gradient error (DESIGN.md §4)
 
 
-def forward_kernel_for_backward(q, k, v, causal: bool) -> Kernel:
-    """The forward family's default kernel for these tensors: what gives a backward variant its O
-    and LSE. Built through codegen (never the API: no dispatcher, DB or tune-on-miss)."""
+def forward_kernel_for_backward(q, k, v, causal: bool, forward: Variant | None = None) -> Kernel:
+    """What gives a backward variant its O and LSE: `forward` (an own forward variant, e.g. the
+    problem's stored winner, what a training step serves) where it takes these tensors, else the
+    forward family's default kernel. Built through codegen (never the API: no dispatcher, DB or
+    tune-on-miss)."""
+    if forward is not None:
+        kernel = codegen.load(forward)
+        if not kernel.unsupported(q, k, v, q):
+            return kernel
     shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
                   seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:])
     device = gpu_fingerprint(q.device.index if q.is_cuda else None)

@@ -144,6 +144,14 @@ def _short(text: str, limit: int = 2000) -> str:
     return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-limit // 2:]
 
 
+def _apply_context(context: dict) -> None:
+    """The tuner's per-problem settings, in this worker (see `Sandbox.context`)."""
+    from autoflash.tuning import timing
+
+    forward = context.get("training_forward")
+    timing.training_forward = _declared_variant(*forward) if forward else None
+
+
 def _worker_main(tasks, results, env: dict) -> None:
     os.environ.update(env)
     parent = os.getppid()
@@ -156,7 +164,8 @@ def _worker_main(tasks, results, env: dict) -> None:
             continue
         if task is None:
             return
-        fn, args = task
+        fn, args, context = task
+        _apply_context(context)
         try:
             outcome = fn(*args)
         except BaseException as e:  # noqa: BLE001
@@ -174,6 +183,9 @@ class Sandbox:
         self.env = dict(env or {})
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
         self._proc = None
+        # Sent with every task (so a restarted worker has it too): "training_forward", the own
+        # forward (family, variant JSON) that backward candidates are timed after.
+        self.context: dict = {}
 
     def _start(self):
         self._tasks = self._ctx.Queue()
@@ -208,7 +220,7 @@ class Sandbox:
             self._kill()  # reap a worker that exited after its last answer
             self._start()
         t0 = time.perf_counter()
-        self._tasks.put((fn, args))
+        self._tasks.put((fn, args, dict(self.context)))
         deadline = t0 + timeout_s
         while True:
             try:

@@ -14,6 +14,7 @@ import torch
 from autoflash.codegen import Kernel
 from autoflash.device import launch_sm_count
 from autoflash.problem import Shape
+from autoflash.space import Variant
 from autoflash.reference import causal_offset_for, make_inputs, paged_cache, sdpa_backend
 from autoflash.training import EagerAttention, TrainingPair
 from autoflash.tuning.gate import forward_kernel_for_backward, require_supported
@@ -92,13 +93,19 @@ def time_variant(kernel: Kernel, shape: Shape, device, rep_ms: float = 100, alig
     return time_callable(launch_callable(kernel, shape, q, k, v, off), device, rep_ms)
 
 
+# The own forward a backward candidate is timed after (see `launch_callable`): set in a tuning
+# worker for the problem at hand (`Sandbox.context`), None for the forward family's default.
+training_forward: Variant | None = None
+
+
 def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
     """A no-argument call of a forward or backward variant on fixed inputs (outputs allocated once).
 
     A backward problem is timed as a training step's attention, forward + backward, for every
-    family: an own backward after the forward family's default kernel (which gives it O and LSE),
-    a vendor kernel through torch autograd. So a vendor pair and autoflash's pair compete on the
-    same quantity (a vendor forward's output cannot feed autoflash's backward)."""
+    family: an own backward after `training_forward` (the problem's own forward winner where one
+    is stored: the forward a training step serves with it) or else the forward family's default
+    kernel, a vendor kernel through torch autograd. So a vendor pair and autoflash's pair compete
+    on the same quantity (a vendor forward's output cannot feed autoflash's backward)."""
     scale = 1.0 / math.sqrt(shape.head_dim)
     if kernel.op == "decode":  # the (B, H, N, D) inputs seen as N_q new tokens against a full cache
         # (B, N, H_kv, D) caches, as a model keeps them (rows H_kv * D apart)
@@ -128,7 +135,8 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
         require_supported(kernel, q, k, v, grad)
         # What a training step runs: the served path's autograd.Function and direct launches
         # (a vendor pair above is timed through torch autograd too).
-        pair = TrainingPair(forward_kernel_for_backward(q, k, v, shape.causal), kernel, scale, shape.causal, off)
+        forward = forward_kernel_for_backward(q, k, v, shape.causal, training_forward)
+        pair = TrainingPair(forward, kernel, scale, shape.causal, off)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
         def step():

@@ -94,6 +94,8 @@ class Tuner:
         if not families:
             return ProblemResult(shape, problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
         default = default_variant(problem.op, problem, self.device)
+        # Backward candidates are timed after the forward a training step serves with them.
+        self.sandbox.context["training_forward"] = self._training_forward(shape)
         done: dict[str, dict] = {}  # "family:variant json" -> trial row
         measured = failed = 0
         # Vendor kernels first, every one of them, beside the trial budget and the time budget: a
@@ -316,6 +318,29 @@ class Tuner:
                           finite=finite, medians=medians, samples=samples, spread=spread, ms=ms,
                           measured=measured, run_id=self.run_id)
         return ProblemResult(shape, problem, candidates[winner_key], ms, spread, measured, failed, "tuned")
+
+    def _training_forward(self, shape: Shape) -> tuple[str, str] | None:
+        """For a backward problem, the own forward its own kernels serve with in training (the
+        dispatcher's own-only forward): this DB's stored winner of the same shape's forward problem,
+        the fastest own family's, as (family, variant JSON). None where none is stored (the
+        forward default times the candidates then: tune the forward problems first) or for
+        another op."""
+        if shape.op != "bwd":
+            return None
+        problem = dataclasses.replace(shape, op="fwd").problem_on(self.device.sm_count)
+        best = None
+        for family in families_for("fwd"):
+            space = load_space(family)
+            row = None if space.vendor else self.store.winner(self.gpu_key, problem.key, codegen.template_hash(family))
+            if row is None or not isinstance(row.get("median_ms"), (int, float)):
+                continue
+            try:
+                variant = space.validate(json.loads(row["variant"]), problem, self.device)
+            except (ValueError, TypeError):
+                continue
+            if best is None or row["median_ms"] < best[0]:
+                best = (row["median_ms"], family, variant.json())
+        return best[1:] if best else None
 
     def _trusted_variant(self, key: str, row: dict, problem) -> Variant | None:
         """The Variant of a 'family:variant JSON' trial, when it may compete (see `_pick_winner`)."""

@@ -59,6 +59,9 @@ class WinnerTable:
         self.own_rows: dict[str, Variant] = {}
         self.own_origins: dict[str, str] = {}
         self._own_ms: dict[str, float] = {}
+        # Stored winners of this GPU that cannot be served (and why): calls of those problems get
+        # what serves instead, so a benchmark says so (each one is also a RuntimeWarning)
+        self.rejected: list[str] = []
         for path in self.default_paths() if paths is None else paths:
             self._load(path)
 
@@ -84,6 +87,7 @@ class WinnerTable:
         except Exception as e:  # ours, or sqlite3's for a damaged file: never break the caller's model
             detail = str(e) if isinstance(e, (StoreError, OSError, ValueError)) else f"{type(e).__name__}: {e}"
             warnings.warn(f"autoflash: ignoring results DB {path}: {detail}", RuntimeWarning, stacklevel=2)
+            self.rejected.append(f"results DB {path}: {detail}")
             return
         decided = set(self.rows)  # an earlier DB (the user's) already decided these problems
         own_decided = set(self.own_rows)
@@ -99,6 +103,7 @@ class WinnerTable:
             except (InvalidVariant, ValueError, KeyError, TypeError) as e:
                 warnings.warn(f"autoflash: rejected winner for {row.get('problem')!r} in {path}: {e}",
                               RuntimeWarning, stacklevel=2)
+                self.rejected.append(f"{row.get('problem')} in {path}: {e}")
                 continue
             ms = row.get("median_ms") if isinstance(row.get("median_ms"), (int, float)) else math.inf
             vendor = load_space(family).vendor

@@ -337,3 +337,31 @@ def test_bench_decode_from_a_shell_without_the_interpreter_set(tmp_path):
     rows = json.loads(out.read_text())
     assert {r["impl"] for r in rows} == {"autoflash", "autoflash-paged16"}
     assert all(r["err"] < 1e-5 and r["ms"] > 0 and r["tb_s"] > 0 and not r["note"] for r in rows)
+
+
+def test_bench_says_when_a_stored_winner_cannot_be_served(tmp_path, monkeypatch):
+    """A stored winner this GPU rejects (here: a knob missing) is measured as its stand-in: the
+    bench says so under its table, not only in a warning that scrolls away above it."""
+    from autoflash import codegen, dispatch
+    from autoflash.device import gpu_fingerprint
+    from autoflash.shapes import load_shape_set
+    from autoflash.space import default_variant
+    from autoflash.store import Store
+
+    db = tmp_path / "x.db"
+    monkeypatch.setenv("AUTOFLASH_DB", str(db))
+    monkeypatch.setattr(dispatch, "_dispatcher", None)  # a dispatcher that reads this DB
+    dev = gpu_fingerprint()
+    shape = load_shape_set("tiny")[0]
+    good = default_variant("fwd", shape.problem, dev)
+    knobs = good.as_dict()
+    knobs.pop(next(iter(knobs)))
+    store = Store(db)
+    store.add_gpu(dev)
+    store.set_winner(gpu_key=dev.key, problem=shape.problem, template_hash=codegen.template_hash(good.family),
+                     variant_json=json.dumps(knobs), median_ms=1.0, spread=0.0, tflops=1.0, trials=1)
+    store.close()
+    r = invoke("bench", "--interpret", "--rounds", "1")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "1 stored winner(s) cannot be served on this GPU" in text and shape.problem.key in text

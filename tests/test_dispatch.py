@@ -80,6 +80,7 @@ def test_out_of_space_or_injected_rows_are_rejected(tmp_path, mutate):
     with pytest.warns(RuntimeWarning, match="rejected winner"):
         table = WinnerTable(DEVICE, [db])
     assert table.rows == {}
+    assert len(table.rejected) == 1 and p.key in table.rejected[0]  # what `autoflash bench` reports
     after = set(codegen.kernel_cache_dir().glob("*.py")) if codegen.kernel_cache_dir().exists() else set()
     assert not any("pwned" in f.read_text() for f in after - before)
 

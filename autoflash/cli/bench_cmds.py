@@ -195,14 +195,27 @@ def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhea
 
     device = gpu_fingerprint()
     if overhead:
-        return _overhead(bench_mod, device)
-    if llama:
-        return _llama(bench_mod, device, rounds)
-    if generate:
-        return _generate(bench_mod, device, rounds)
-    if op == "decode":
-        return _decode(device, rounds, interpret, md_path, json_path)
-    shape_list = load_shapes(shapes, op)
-    if fwdbwd:
-        return _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, json_path)
-    _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path, json_path)
+        _overhead(bench_mod, device)
+    elif llama:
+        _llama(bench_mod, device, rounds)
+    elif generate:
+        _generate(bench_mod, device, rounds)
+    elif op == "decode":
+        _decode(device, rounds, interpret, md_path, json_path)
+    elif fwdbwd:
+        _fwdbwd(bench_mod, device, load_shapes(shapes, op), rounds, memory, md_path, plot_path, json_path)
+    else:
+        _kernels(bench_mod, device, load_shapes(shapes, op), op, rounds, baseline_template, interpret, md_path,
+                 plot_path, json_path)
+    _say_rejected(device)
+
+
+def _say_rejected(device):
+    """A stored winner this GPU cannot serve makes the numbers above those of its stand-in: say so
+    under the table (the per-row warnings scroll away above it)."""
+    from autoflash.dispatch import get_dispatcher
+
+    rejected = get_dispatcher().winners(device).rejected
+    if rejected:
+        console.print(f"[yellow]warning:[/] {len(rejected)} stored winner(s) cannot be served on this GPU "
+                      f"(first: {rejected[0]}); those problems were measured with what serves instead")

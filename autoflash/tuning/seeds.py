@@ -1,5 +1,6 @@
 """Warm-start seeds of a search: the default, this problem's winners under earlier templates (this
-DB's or shipped in cache/), heavy-first twins for causal problems, other problems' winners."""
+DB's or shipped in cache/), heavy-first twins for causal problems, other problems' winners; and the
+stored forward winner a backward problem's candidates are timed after."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 from autoflash import codegen, resources
 from autoflash.device import GPUFingerprint
-from autoflash.problem import Problem
+from autoflash.problem import Problem, Shape
 from autoflash.space import Space, Variant, load_space
 from autoflash.store import Store
 
@@ -47,6 +48,34 @@ def same_problem_keys(problem: Problem) -> tuple[str, ...]:
     """The problem's key, and its key without the occupancy bucket (rows stored before the key had
     one, which the dispatcher serves to this problem unless a closer winner exists)."""
     return (problem.key, dataclasses.replace(problem, work=None).key)
+
+
+def training_forward(shape: Shape, device: GPUFingerprint, sources: list[list[dict]]) -> tuple[str, str] | None:
+    """For a backward problem, the own forward its own kernels serve with in training (the
+    dispatcher's own-only forward): the stored winner of the same shape's forward problem, from the
+    first of `sources` (winner rows of this GPU: this DB's, then the shipped ones) that has one, its
+    exact key before one without the occupancy bucket, the fastest own family's, as (family,
+    variant JSON). None where none is stored (the forward default times the candidates then: tune
+    the forward problems first) or for another op."""
+    if shape.op != "bwd":
+        return None
+    problem = dataclasses.replace(shape, op="fwd").problem_on(device.sm_count)
+    keys = same_problem_keys(problem)
+    for rows in sources:
+        found = []
+        for row in rows:
+            family = codegen.family_for_hash("fwd", row["template_hash"])
+            ms = row.get("median_ms")
+            if row["problem"] not in keys or family is None or load_space(family).vendor or not isinstance(ms, (int, float)):
+                continue
+            try:
+                variant = load_space(family).validate(json.loads(row["variant"]), problem, device)
+            except (ValueError, TypeError):
+                continue
+            found.append((row["problem"] != problem.key, ms, family, variant.json()))
+        if found:
+            return min(found)[2:]
+    return None
 
 
 def read_shipped_winners(gpu_key: str) -> list[dict]:

@@ -32,7 +32,7 @@ from autoflash.tuning.storage import make_storage
 from autoflash.tuning.sandbox import Outcome, Sandbox
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions, median
 from autoflash.tuning.results import spread as spread_of
-from autoflash.tuning.seeds import current_winners, read_shipped_winners, same_problem_keys, seed_variants
+from autoflash.tuning.seeds import current_winners, read_shipped_winners, seed_variants, training_forward
 from autoflash.tuning.timing import tflops
 from autoflash.tuning.winner_rows import is_vendor, store_winner_rows, vendor_on_a_tie
 
@@ -95,7 +95,8 @@ class Tuner:
             return ProblemResult(shape, problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
         default = default_variant(problem.op, problem, self.device)
         # Backward candidates are timed after the forward a training step serves with them.
-        self.sandbox.context["training_forward"] = self._training_forward(shape)
+        self.sandbox.context["training_forward"] = training_forward(
+            shape, self.device, [self.store.winners(self.gpu_key, op="fwd", head_dim=shape.head_dim), self.shipped_winners])
         done: dict[str, dict] = {}  # "family:variant json" -> trial row
         measured = failed = 0
         # Vendor kernels first, every one of them, beside the trial budget and the time budget: a
@@ -318,33 +319,6 @@ class Tuner:
                           finite=finite, medians=medians, samples=samples, spread=spread, ms=ms,
                           measured=measured, run_id=self.run_id)
         return ProblemResult(shape, problem, candidates[winner_key], ms, spread, measured, failed, "tuned")
-
-    def _training_forward(self, shape: Shape) -> tuple[str, str] | None:
-        """For a backward problem, the own forward its own kernels serve with in training (the
-        dispatcher's own-only forward): the stored winner of the same shape's forward problem, this
-        DB's before the shipped ones, its exact key before one without the occupancy bucket, the
-        fastest own family's, as (family, variant JSON). None where none is stored (the forward
-        default times the candidates then: tune the forward problems first) or for another op."""
-        if shape.op != "bwd":
-            return None
-        problem = dataclasses.replace(shape, op="fwd").problem_on(self.device.sm_count)
-        keys = same_problem_keys(problem)
-        for rows in (self.store.winners(self.gpu_key, op="fwd", head_dim=shape.head_dim), self.shipped_winners):
-            found = []
-            for row in rows:
-                family = codegen.family_for_hash("fwd", row["template_hash"])
-                ms = row.get("median_ms")
-                if (row["problem"] not in keys or family is None or load_space(family).vendor
-                        or not isinstance(ms, (int, float))):
-                    continue
-                try:
-                    variant = load_space(family).validate(json.loads(row["variant"]), problem, self.device)
-                except (ValueError, TypeError):
-                    continue
-                found.append((row["problem"] != problem.key, ms, family, variant.json()))
-            if found:
-                return min(found)[2:]
-        return None
 
     def _trusted_variant(self, key: str, row: dict, problem) -> Variant | None:
         """The Variant of a 'family:variant JSON' trial, when it may compete (see `_pick_winner`)."""

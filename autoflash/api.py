@@ -243,8 +243,9 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
 
 
 def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, own_only: bool):
-    """plan(q, k, v) -> differentiable out. Where a vendor pair (torch SDPA's forward and backward)
-    won the backward problem it runs through torch autograd; else autoflash's own pair."""
+    """plan(q, k, v) -> differentiable out. The backward problem's winner decides the pair: SDPA's
+    whole pair runs through torch autograd; an own pair, or one half SDPA's and the other autoflash's,
+    runs through `EagerAttention`."""
     from autoflash import ops
     from autoflash.training import EagerAttention
 
@@ -255,13 +256,20 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
             pairs.append(ops.training_pair(q, k, v, sm_scale, causal, causal_offset))
         return EagerAttention.apply(q, k, v, pairs[0])
 
-    vendor = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only)
-    if not vendor.vendor:
+    winner = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only)
+    if not winner.vendor:
         return own
+    if not winner.whole_pair:  # one half SDPA's (a refusal falls back to the own half inside)
+        pair = ops.training_pair(q, k, v, sm_scale, causal, causal_offset, winner=winner)
+
+        def half_vendor_pair(q, k, v):
+            return EagerAttention.apply(q, k, v, pair)
+        half_vendor_pair.pair = pair  # (what serves, for a look from outside)
+        return half_vendor_pair
 
     def vendor_pair(q, k, v):
         try:
-            return vendor.attention(q, k, v, sm_scale, causal, causal_offset)
+            return winner.attention(q, k, v, sm_scale, causal, causal_offset)
         except RuntimeError:  # the backend refused these tensors after all: autoflash's pair serves
             return own(q, k, v)
     return vendor_pair

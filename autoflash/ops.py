@@ -63,16 +63,21 @@ def _backward(ctx, grad_out, grad_lse):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-from autoflash.training import TrainingPair  # noqa: E402 (the eager training path)
+from autoflash.training import TrainingPair, training_pair_for  # noqa: E402 (the eager training path)
 
 
-def training_pair(q, k, v, sm_scale: float, causal: bool, causal_offset: int) -> TrainingPair:
-    """The served own forward and backward kernels of this call."""
+def training_pair(q, k, v, sm_scale: float, causal: bool, causal_offset: int, winner=None) -> TrainingPair | None:
+    """The served training pair of this call: the backward problem's `winner` (default: the own-only
+    one) with the forward it stands for, the own halves the served own kernels; None where the
+    winner is SDPA's whole pair (see `training.training_pair_for`)."""
     dispatcher = get_dispatcher()
 
-    def backward_for(q, k, v, do):  # a gradient the served backward cannot read: what serves it
+    def backward_for(q, k, v, do):  # a gradient (or tensors) the served backward cannot take: what serves it
         return dispatcher.kernel_for(q, k, v, do, causal, op="bwd", own_only=True)
 
-    return TrainingPair(dispatcher.kernel_for(q, k, v, q, causal, own_only=True),
-                        dispatcher.kernel_for(q, k, v, q, causal, op="bwd", own_only=True),
-                        sm_scale, causal, causal_offset, fallback_backward=backward_for)
+    def forward_for(q, k, v):
+        return dispatcher.kernel_for(q, k, v, q, causal, own_only=True)
+
+    return training_pair_for(backward_for(q, k, v, q) if winner is None else winner, lambda: forward_for(q, k, v),
+                             lambda: backward_for(q, k, v, q), sm_scale, causal, causal_offset,
+                             fallback_backward=backward_for, fallback_forward=forward_for)

@@ -1,5 +1,7 @@
-"""A training step's attention on autoflash's own kernels: forward and backward as one pair, with
-direct launches (`replay`), and the autograd.Function that runs them.
+"""A training step's attention: forward and backward as one pair, with direct launches (`replay`),
+and the autograd.Function that runs them. The halves are autoflash's own kernels, or one of them a
+vendor kernel's (torch SDPA's forward with its log-sum-exp, or its backward from a given O and
+log-sum-exp) where such a pair won the backward problem (`training_pair_for`).
 
 Used by the API (eager training) and by the tuner (a backward problem is timed as forward +
 backward through this same path, so the measured time is what a training step gets).
@@ -16,16 +18,25 @@ class TrainingPair:
     Triton's per-launch host path costs more than the kernels take on short sequences."""
 
     def __init__(self, forward_kernel, backward_kernel, sm_scale: float, causal: bool, causal_offset: int,
-                 fallback_backward=None):
+                 fallback_backward=None, fallback_forward=None):
         """fallback_backward(q, k, v, do) -> a backward kernel for a gradient `backward_kernel`
-        cannot read (e.g. a TMA kernel and a gradient with stride 0); None: such a gradient is an error."""
+        cannot read (e.g. a TMA kernel and a gradient with stride 0), or for tensors a vendor
+        backward refuses; None: such a gradient is an error. fallback_forward(q, k, v) -> the own
+        forward kernel for tensors a vendor forward refuses (None: an error)."""
         self.forward_kernel, self.backward_kernel = forward_kernel, backward_kernel
-        self.fallback_backward = fallback_backward
+        self.fallback_backward, self.fallback_forward = fallback_backward, fallback_forward
         self.sm_scale, self.causal, self.causal_offset = sm_scale, causal, causal_offset
         self._forward_launch = None  # None: not bound yet; False: cannot be bound
         self._backward_launch: dict[tuple, object] = {}  # by the incoming gradient's layout
 
     def forward(self, q, k, v):
+        if self.forward_kernel.vendor:
+            try:
+                return self.forward_kernel.attention_with_lse(q, k, v, self.sm_scale, self.causal)
+            except RuntimeError:  # the backend refused these tensors: the own forward serves them
+                if self.fallback_forward is None:
+                    raise
+                self.forward_kernel = self.fallback_forward(q, k, v)
         out = torch.empty_like(q)  # q's memory layout
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         if self._forward_launch:
@@ -38,6 +49,13 @@ class TrainingPair:
         return out, lse
 
     def backward(self, q, k, v, out, lse, do):
+        if self.backward_kernel.vendor:
+            try:
+                return self.backward_kernel.gradients_from(q, k, v, out, lse, do, self.sm_scale, self.causal)
+            except RuntimeError:  # the backend refused these tensors (its LSE convention is ours)
+                if self.fallback_backward is None:
+                    raise
+                self.backward_kernel = self.fallback_backward(q, k, v, do)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # The gradient autograd hands over can have any layout (and alignment): kernel and direct
         # launcher are chosen per layout (a TMA kernel cannot read a gradient with stride 0).
@@ -59,6 +77,21 @@ class TrainingPair:
                 return dq, dk, dv
         kernel.backward(q, k, v, out, lse, do, dq, dk, dv, self.sm_scale, self.causal, self.causal_offset)
         return dq, dk, dv
+
+
+def training_pair_for(winner, own_forward, own_backward, sm_scale: float, causal: bool, causal_offset: int,
+                      fallback_backward=None, fallback_forward=None) -> TrainingPair | None:
+    """The pair a backward problem's winner stands for: an own backward kernel with the own forward
+    (`own_forward()`); a vendor variant with its FORWARD/BACKWARD halves, where a half that is not
+    SDPA's is the own served kernel (`own_forward()`, `own_backward()`); None for SDPA's whole pair
+    (run through torch autograd by its caller). The own kernels are built only when used."""
+    if not winner.vendor:
+        return TrainingPair(own_forward(), winner, sm_scale, causal, causal_offset, fallback_backward, fallback_forward)
+    if winner.whole_pair:
+        return None
+    return TrainingPair(winner if winner.forward_from == "sdpa" else own_forward(),
+                        winner if winner.backward_from == "sdpa" else own_backward(),
+                        sm_scale, causal, causal_offset, fallback_backward, fallback_forward)
 
 
 class EagerAttention(torch.autograd.Function):

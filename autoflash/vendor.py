@@ -4,12 +4,16 @@ the tuner gates and times them like any family and the dispatcher can serve one 
 winner: a tuned model is never slower than torch SDPA was.
 
 What differs from a generated kernel, and who checks it:
-- no log-sum-exp (`has_lse = False`): the gate does not compare one, and a call that needs it (a
-  forward feeding autoflash's backward) is served by the best own kernel instead;
+- `forward` gives no log-sum-exp (`has_lse = False`): the gate does not compare one, and a call
+  that needs it (a forward feeding autoflash's backward) is served by the best own kernel instead;
 - SDPA's causal mask is aligned top-left (`takes_causal_offset`): calls with another alignment are
   served by an own kernel;
-- a backward problem's vendor winner means "forward and backward by this backend, through torch
-  autograd" (chosen as a pair on forward + backward time).
+- a backward problem's vendor winner is a training pair chosen on forward + backward time, its
+  halves named by the sdpa_bwd knobs FORWARD and BACKWARD: both "sdpa" is the backend's forward and
+  backward through torch autograd; otherwise one half is SDPA's (its forward with the log-sum-exp,
+  `attention_with_lse`, or its backward from a given O and log-sum-exp, `gradients_from`: the
+  backend's own ATen ops, same convention as autoflash's LSE, natural log) and the other is
+  autoflash's own served kernel (`training.training_pair_for` puts them together).
 """
 
 from __future__ import annotations
@@ -53,12 +57,19 @@ class SdpaKernel:
     vendor = True
     has_lse = False
     uses_tma = False
-    __slots__ = ("variant", "op", "family", "backend", "_backend")
+    __slots__ = ("variant", "op", "family", "backend", "_backend", "forward_from", "backward_from")
 
     def __init__(self, variant: Variant):
         self.variant, self.op, self.family = variant, variant.op, variant.family
         self.backend = variant["BACKEND"]
         self._backend = sdpa_backend(self.backend)
+        knobs = variant.as_dict()  # (a forward variant has neither knob: SDPA's all through)
+        self.forward_from, self.backward_from = knobs.get("FORWARD", "sdpa"), knobs.get("BACKWARD", "sdpa")
+
+    @property
+    def whole_pair(self) -> bool:
+        """Whether this variant is SDPA's forward and backward together (through torch autograd)."""
+        return self.forward_from == "sdpa" and self.backward_from == "sdpa"
 
     @staticmethod
     def takes_causal_offset(causal: bool, causal_offset: int) -> bool:
@@ -86,9 +97,42 @@ class SdpaKernel:
         o.copy_(self.attention(q, k, v, sm_scale, causal, causal_offset))
 
     def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
-        """dq, dk, dv of SDPA's own forward on this backend (o and lse are not used)."""
-        for grad, value in zip((dq, dk, dv), self.gradients(q, k, v, do, sm_scale, causal, causal_offset)):
+        """dq, dk, dv into the given tensors: of SDPA's own forward on this backend where this variant
+        is the whole pair (o and lse are not used), else SDPA's backward from o and lse."""
+        if self.backward_from != "sdpa":
+            raise ValueError(f"{self}: its backward is autoflash's own (see training.training_pair_for)")
+        if self.whole_pair:
+            grads = self.gradients(q, k, v, do, sm_scale, causal, causal_offset)
+        else:
+            grads = self.gradients_from(q, k, v, o, lse, do, sm_scale, causal)
+        for grad, value in zip((dq, dk, dv), grads):
             grad.copy_(value)
+
+    def attention_with_lse(self, q, k, v, sm_scale: float, causal: bool):
+        """(out, lse): SDPA's forward on this backend by its ATen op, with its log-sum-exp as a
+        (B, H, Nq) float32 view with unit last stride (what autoflash's backward reads)."""
+        if self.backend == "cudnn":
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=sm_scale)[:2]
+        elif self.backend == "flash" and not q.is_cuda:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=sm_scale)
+        else:
+            raise ValueError(f"{self}: no forward with a log-sum-exp is wired for this backend")
+        lse = lse.reshape(q.shape[:3])  # (cuDNN's is (B, H, Nq, 1))
+        return out, lse if lse.stride(-1) == 1 else lse.contiguous()
+
+    def gradients_from(self, q, k, v, out, lse, do, sm_scale: float, causal: bool):
+        """(dq, dk, dv) by this backend's backward ATen op from a given out and lse (B, H, Nq)
+        (any forward's: the convention is the same), K/V with H_kv heads taken as they are."""
+        n_q, n_k = q.shape[2], k.shape[2]
+        if self.backend == "cudnn":
+            none = torch.empty(0, device=q.device)  # (dropout's RNG state: no dropout)
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do, q, k, v, out, lse.unsqueeze(-1), none, none, None, None, None, n_q, n_k, 0.0, causal, scale=sm_scale)
+        if self.backend == "flash" and not q.is_cuda:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q, k, v, out, lse, 0.0, causal, scale=sm_scale)
+        raise ValueError(f"{self}: no backward from a given log-sum-exp is wired for this backend")
 
     def gradients(self, q, k, v, do, sm_scale: float, causal: bool, causal_offset: int = 0):
         """(dq, dk, dv) by forward + backward through torch autograd: what a training step runs."""

@@ -214,6 +214,11 @@ def test_every_shipped_winner_is_servable_on_its_own_gpu():
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
             db.row_factory = sqlite3.Row
             gpus = [GPUFingerprint(**{f: row[f] for f in fields}) for row in db.execute("SELECT * FROM gpus")]
+            # a row of no current template is never served: a change to a template or a vendor
+            # space that forgot to re-key the shipped rows leaves them dead, without a warning
+            stale = [(row["problem"], row["template_hash"]) for row in db.execute("SELECT * FROM winners")
+                     if codegen.family_for_hash(Problem.from_key(row["problem"]).op, row["template_hash"]) is None]
+            assert stale == [], f"{path.name}: {len(stale)} rows of no current template, e.g. {stale[:2]}"
         for gpu in gpus:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the rejections are asserted below

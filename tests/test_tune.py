@@ -267,10 +267,10 @@ def test_a_knob_the_earlier_template_lacked_takes_its_legacy_value():
 
 def report_training_forward(variant_json, family, shape, rep_ms, device):
     """A real evaluation, whose message says which forward the backward candidates were timed after."""
-    from autoflash.tuning import timing
+    from autoflash.tuning import gate
 
     outcome = sandbox.evaluate_variant(variant_json, family, shape, rep_ms, device)
-    forward = timing.training_forward
+    forward = gate.training_forward
     outcome.message = json.dumps(forward and [forward.family, forward.json()])
     return outcome
 

@@ -24,8 +24,10 @@ DEVICE = gpu_fingerprint()
 SHAPE = Shape(batch=2, heads_q=4, heads_kv=2, seqlen_q=40, seqlen_k=40, head_dim=32, causal=True, dtype="float32")
 
 
-def sdpa(op: str, backend: str) -> Variant:
-    return load_space(f"sdpa_{op}").check_declared({"BACKEND": backend})
+def sdpa(op: str, backend: str, forward: str = "sdpa", backward: str = "sdpa") -> Variant:
+    """A vendor variant; a backward one is a training pair whose halves FORWARD/BACKWARD name."""
+    knobs = {"BACKEND": backend} if op == "fwd" else {"BACKEND": backend, "FORWARD": forward, "BACKWARD": backward}
+    return load_space(f"sdpa_{op}").check_declared(knobs)
 
 
 def test_vendor_families_are_registered_per_op_and_offer_what_this_device_runs():

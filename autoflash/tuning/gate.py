@@ -21,7 +21,8 @@ from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_cou
 from autoflash.problem import Shape
 from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, paged_cache, reference, reference_grads, rel_error,
                                  sdpa_error, sdpa_grads)
-from autoflash.space import Variant, default_variant, load_space
+from autoflash.space import Variant, default_variant, families_for, load_space
+from autoflash.training import training_pair_for
 
 GATE_FACTOR = 2.0  # candidate error <= GATE_FACTOR * SDPA's error (DESIGN.md §4)
 GATE_FLOOR = {"float32": 1e-5, "float16": 5e-4, "bfloat16": 4e-3}  # relative L2: binds only when SDPA is ~exact
@@ -156,6 +157,39 @@ def forward_kernel_for_backward(q, k, v, causal: bool, forward: Variant | None =
     return kernel
 
 
+def backward_kernel_for_pair(q, k, v, causal: bool, backward: Variant | None = None) -> Kernel:
+    """The own backward a vendor forward is paired with: `backward` (the problem's stored own
+    winner, what the dispatcher serves beside a vendor win) where it takes these tensors, else the
+    own backward family's default kernel. Built through codegen."""
+    if backward is not None:
+        kernel = codegen.load(backward)
+        if not kernel.unsupported(q, k, v, q):
+            return kernel
+    shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
+                  seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:], op="bwd")
+    device = gpu_fingerprint(q.device.index if q.is_cuda else None)
+    space = next(load_space(f) for f in families_for("bwd") if not load_space(f).vendor)
+    variant = space.default_for(shape.problem, device)
+    kernel = codegen.load(variant)
+    if kernel.unsupported(q, k, v, q) and "LOADS" in variant.as_dict():
+        kernel = codegen.load(space.nearest_valid(variant.replace(LOADS="pointer"), shape.problem, device))
+    return kernel
+
+
+# The own kernels a backward candidate is paired with, set in a tuning worker for the problem at
+# hand (`Sandbox.context`): its stored own forward winner (what a training step serves with an own
+# backward) and own backward winner (what serves beside a vendor forward); None: the defaults.
+training_forward: Variant | None = None
+training_backward: Variant | None = None
+
+
+def candidate_pair(kernel: Kernel, q, k, v, causal: bool, offset: int, scale: float):
+    """The training pair a backward candidate stands for (`training.training_pair_for`), its own
+    halves `training_forward`/`training_backward`; None for SDPA's whole pair."""
+    return training_pair_for(kernel, lambda: forward_kernel_for_backward(q, k, v, causal, training_forward),
+                             lambda: backward_kernel_for_pair(q, k, v, causal, training_backward), scale, causal, offset)
+
+
 def forward_for_backward(q, k, v, causal: bool, offset: int, scale: float):
     """(out, lse) from `forward_kernel_for_backward`: what a backward variant consumes."""
     out = torch.empty_like(q)
@@ -172,11 +206,15 @@ def check_backward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateR
         grad = make_inputs(gs, device, seed=seed + 100 + i)[0]
         off = _alignment(kernel, gs, i)
         scale = 1.0 / math.sqrt(gs.head_dim)
-        out, lse = forward_for_backward(q, k, v, gs.causal, off, scale)
         grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
         require_supported(kernel, q, k, v, grad)
         try:
-            kernel.backward(q, k, v, out, lse, grad, *grads, scale, gs.causal, off)
+            if kernel.vendor and not kernel.whole_pair:  # half SDPA's, half autoflash's: the pair as served
+                pair = candidate_pair(kernel, q, k, v, gs.causal, off, scale)
+                grads = pair.backward(q, k, v, *pair.forward(q, k, v), grad)
+            else:
+                out, lse = forward_for_backward(q, k, v, gs.causal, off, scale)
+                kernel.backward(q, k, v, out, lse, grad, *grads, scale, gs.causal, off)
         except RuntimeError as e:
             if not refused_by_vendor(kernel, e):
                 raise

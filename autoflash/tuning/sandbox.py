@@ -146,10 +146,11 @@ def _short(text: str, limit: int = 2000) -> str:
 
 def _apply_context(context: dict) -> None:
     """The tuner's per-problem settings, in this worker (see `Sandbox.context`)."""
-    from autoflash.tuning import timing
+    from autoflash.tuning import gate
 
-    forward = context.get("training_forward")
-    timing.training_forward = _declared_variant(*forward) if forward else None
+    forward, backward = context.get("training_forward"), context.get("training_backward")
+    gate.training_forward = _declared_variant(*forward) if forward else None
+    gate.training_backward = _declared_variant(*backward) if backward else None
 
 
 def _worker_main(tasks, results, env: dict) -> None:
@@ -183,8 +184,9 @@ class Sandbox:
         self.env = dict(env or {})
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
         self._proc = None
-        # Sent with every task (so a restarted worker has it too): "training_forward", the own
-        # forward (family, variant JSON) that backward candidates are timed after.
+        # Sent with every task (so a restarted worker has it too): "training_forward" and
+        # "training_backward", the own forward and backward (family, variant JSON) that backward
+        # candidates are paired with (`timing.training_pair_for`).
         self.context: dict = {}
 
     def _start(self):

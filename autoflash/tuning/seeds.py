@@ -1,6 +1,6 @@
 """Warm-start seeds of a search: the default, this problem's winners under earlier templates (this
 DB's or shipped in cache/), heavy-first twins for causal problems, other problems' winners; and the
-stored forward winner a backward problem's candidates are timed after."""
+stored own winners a backward problem's candidates are paired with (its forward's, its own)."""
 
 from __future__ import annotations
 
@@ -57,14 +57,27 @@ def training_forward(shape: Shape, device: GPUFingerprint, sources: list[list[di
     exact key before one without the occupancy bucket, the fastest own family's, as (family,
     variant JSON). None where none is stored (the forward default times the candidates then: tune
     the forward problems first) or for another op."""
-    if shape.op != "bwd":
-        return None
-    problem = dataclasses.replace(shape, op="fwd").problem_on(device.sm_count)
+    return stored_own_winner(shape, "fwd", device, sources) if shape.op == "bwd" else None
+
+
+def training_backward(shape: Shape, device: GPUFingerprint, sources: list[list[dict]]) -> tuple[str, str] | None:
+    """For a backward problem, the own backward a vendor forward is paired with (a vendor candidate
+    whose BACKWARD is "autoflash": the dispatcher serves it with the own-only backward winner): the
+    stored own winner of this very problem, looked up as `training_forward`. None where none is
+    stored (the backward default stands in) or for another op."""
+    return stored_own_winner(shape, "bwd", device, sources) if shape.op == "bwd" else None
+
+
+def stored_own_winner(shape: Shape, op: str, device: GPUFingerprint, sources: list[list[dict]]) -> tuple[str, str] | None:
+    """The stored winner of `shape`'s problem of `op` among autoflash's own families, from the first
+    of `sources` that has one (exact key before one without the occupancy bucket, then the fastest),
+    as (family, variant JSON); None where none is stored."""
+    problem = dataclasses.replace(shape, op=op).problem_on(device.sm_count)
     keys = same_problem_keys(problem)
     for rows in sources:
         found = []
         for row in rows:
-            family = codegen.family_for_hash("fwd", row["template_hash"])
+            family = codegen.family_for_hash(op, row["template_hash"])
             ms = row.get("median_ms")
             if row["problem"] not in keys or family is None or load_space(family).vendor or not isinstance(ms, (int, float)):
                 continue

@@ -14,10 +14,9 @@ import torch
 from autoflash.codegen import Kernel
 from autoflash.device import launch_sm_count
 from autoflash.problem import Shape
-from autoflash.space import Variant
 from autoflash.reference import causal_offset_for, make_inputs, paged_cache, sdpa_backend
-from autoflash.training import EagerAttention, TrainingPair
-from autoflash.tuning.gate import forward_kernel_for_backward, require_supported
+from autoflash.training import EagerAttention
+from autoflash.tuning.gate import candidate_pair, require_supported
 
 
 def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -93,19 +92,14 @@ def time_variant(kernel: Kernel, shape: Shape, device, rep_ms: float = 100, alig
     return time_callable(launch_callable(kernel, shape, q, k, v, off), device, rep_ms)
 
 
-# The own forward a backward candidate is timed after (see `launch_callable`): set in a tuning
-# worker for the problem at hand (`Sandbox.context`), None for the forward family's default.
-training_forward: Variant | None = None
-
-
 def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
     """A no-argument call of a forward or backward variant on fixed inputs (outputs allocated once).
 
     A backward problem is timed as a training step's attention, forward + backward, for every
-    family: an own backward after `training_forward` (the problem's own forward winner where one
-    is stored: the forward a training step serves with it) or else the forward family's default
-    kernel, a vendor kernel through torch autograd. So a vendor pair and autoflash's pair compete
-    on the same quantity (a vendor forward's output cannot feed autoflash's backward)."""
+    family: the pair the candidate stands for (`gate.candidate_pair`: an own backward after
+    `gate.training_forward`, the problem's own forward winner where one is stored, else the forward
+    family's default; a vendor pair with its own halves the same way), SDPA's whole pair through
+    torch autograd. So every pair competes on the same quantity."""
     scale = 1.0 / math.sqrt(shape.head_dim)
     if kernel.op == "decode":  # the (B, H, N, D) inputs seen as N_q new tokens against a full cache
         # (B, N, H_kv, D) caches, as a model keeps them (rows H_kv * D apart)
@@ -125,24 +119,21 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
     if not kernel.takes_causal_offset(shape.causal, off):
         raise ValueError(f"{kernel.family} cannot take causal offset {off}")
     require_supported(kernel, q, k, v, q)
-    if kernel.vendor:
-        if kernel.op == "bwd":
-            grad = make_inputs(shape, q.device, seed=4321)[0]
-            return lambda: kernel.gradients(q, k, v, grad, scale, shape.causal, off)
-        return lambda: kernel.attention(q, k, v, scale, shape.causal, off)
     if kernel.op == "bwd":
         grad = make_inputs(shape, q.device, seed=4321)[0]
         require_supported(kernel, q, k, v, grad)
-        # What a training step runs: the served path's autograd.Function and direct launches
-        # (a vendor pair above is timed through torch autograd too).
-        forward = forward_kernel_for_backward(q, k, v, shape.causal, training_forward)
-        pair = TrainingPair(forward, kernel, scale, shape.causal, off)
+        pair = candidate_pair(kernel, q, k, v, shape.causal, off, scale)
+        if pair is None:  # SDPA's whole pair, through torch autograd
+            return lambda: kernel.gradients(q, k, v, grad, scale, shape.causal, off)
+        # What a training step runs: the served path's autograd.Function and direct launches.
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
         def step():
             with torch.enable_grad():
                 torch.autograd.grad(EagerAttention.apply(*leaves, pair), leaves, grad)
         return step
+    if kernel.vendor:
+        return lambda: kernel.attention(q, k, v, scale, shape.causal, off)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     require_supported(kernel, q, k, v, out)

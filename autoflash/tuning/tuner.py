@@ -32,7 +32,7 @@ from autoflash.tuning.storage import make_storage
 from autoflash.tuning.sandbox import Outcome, Sandbox
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions, median
 from autoflash.tuning.results import spread as spread_of
-from autoflash.tuning.seeds import current_winners, read_shipped_winners, seed_variants, training_forward
+from autoflash.tuning.seeds import current_winners, read_shipped_winners, seed_variants, training_backward, training_forward
 from autoflash.tuning.timing import tflops
 from autoflash.tuning.winner_rows import is_vendor, store_winner_rows, vendor_on_a_tie
 
@@ -94,9 +94,11 @@ class Tuner:
         if not families:
             return ProblemResult(shape, problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
         default = default_variant(problem.op, problem, self.device)
-        # Backward candidates are timed after the forward a training step serves with them.
-        self.sandbox.context["training_forward"] = training_forward(
-            shape, self.device, [self.store.winners(self.gpu_key, op="fwd", head_dim=shape.head_dim), self.shipped_winners])
+        # Backward candidates are timed after the forward a training step serves with them; a vendor
+        # forward is paired with the stored own backward (until this search finds a better one).
+        stored = [self.store.winners(self.gpu_key, head_dim=shape.head_dim), self.shipped_winners]
+        self.sandbox.context["training_forward"] = training_forward(shape, self.device, stored)
+        self.sandbox.context["training_backward"] = training_backward(shape, self.device, stored)
         done: dict[str, dict] = {}  # "family:variant json" -> trial row
         measured = failed = 0
         # Vendor kernels first, every one of them, beside the trial budget and the time budget: a
@@ -292,6 +294,9 @@ class Tuner:
         if not top:
             return ProblemResult(shape, problem, stored, {}, math.nan, measured, failed, "no_valid_candidate")
         methods = list(dict.fromkeys(top + ([default_key] if default_key in ok else [])))
+        best_own = next((key for key in ok if not is_vendor(key)), None)
+        if best_own and problem.op == "bwd":  # (stored beside a vendor win: what a vendor forward is served with)
+            self.sandbox.context["training_backward"] = tuple(best_own.split(":", 1))
         if not self.opt.interpret:
             methods += ["sdpa_cudnn", "sdpa_flash"]
         result = self.sandbox.call(self.opt.remeasure_fn or sandbox.remeasure, (

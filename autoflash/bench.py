@@ -126,8 +126,8 @@ def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "autoflash-own", "sdpa
                 torch.cuda.synchronize()
                 peaks[(shape.label(), m)] = torch.cuda.max_memory_allocated() - base
         samples = {m: [] for m, fn in fns.items() if fn is not None}
-        for _ in range(rounds):
-            for m in samples:
+        for r in range(rounds):
+            for m in alternating(tuple(samples), r):
                 samples[m].append(device_ms(fns[m], warmup_ms=10, rep_ms=rep_ms))
         ms = {m: statistics.median(samples[m]) if m in samples else float("nan") for m in methods}
         rows.append(BenchRow(dataclasses.replace(shape, op="fwdbwd"), ms))
@@ -184,6 +184,13 @@ def _small_llama(max_positions: int):
     return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16), name
 
 
+def alternating(impls: tuple, round_index: int) -> tuple:
+    """The order of one interleaved round: reversed every other round, so that a drift over the run
+    (clocks, temperature, the allocator's state) does not always favour the implementation timed
+    first (a fixed order leaves that bias in every round)."""
+    return impls[::-1] if round_index % 2 else impls
+
+
 def llama_step_times(batch: int = 4, seqlen: int = 2048, rounds: int = 3) -> dict:
     """The small Llama run with transformers' "sdpa" attention and with autoflash's registered
     implementation: median ms of an inference forward and of a training step (forward+backward),
@@ -204,8 +211,8 @@ def llama_step_times(batch: int = 4, seqlen: int = 2048, rounds: int = 3) -> dic
         model.set_attn_implementation(impl)
         logits[impl] = infer().float()
         train_step()  # compile and load every kernel before timing
-    for _ in range(rounds):
-        for impl in impls:
+    for r in range(rounds):
+        for impl in alternating(impls, r):
             model.set_attn_implementation(impl)
             times[(impl, "inference")].append(bench_ms(infer, warmup_ms=25, rep_ms=200))
             times[(impl, "train_step")].append(bench_ms(train_step, warmup_ms=25, rep_ms=400))
@@ -234,8 +241,8 @@ def llama_generate(batch: int = 4, prompt: int = 1024, new_tokens: int = 128, ro
     for impl in impls:
         model.set_attn_implementation(impl)
         tokens[impl] = generate()[:, prompt:]
-    for _ in range(rounds):
-        for impl in impls:
+    for r in range(rounds):
+        for impl in alternating(impls, r):
             model.set_attn_implementation(impl)
             torch.cuda.synchronize()
             t0 = time.perf_counter()

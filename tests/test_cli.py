@@ -365,3 +365,15 @@ def test_bench_says_when_a_stored_winner_cannot_be_served(tmp_path, monkeypatch)
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "1 stored winner(s) cannot be served on this GPU" in text and shape.problem.key in text
+
+
+def test_bench_rounds_alternate_the_order_of_the_implementations():
+    """A drift over a run must not always favour the implementation timed first: every
+    implementation goes first in as many rounds as it goes last (of an even number)."""
+    from autoflash.bench import alternating
+
+    impls = ("sdpa", "autoflash", "autoflash-own")
+    orders = [alternating(impls, r) for r in range(4)]
+    assert orders[0] == impls and orders[1] == impls[::-1]
+    for impl in impls:
+        assert sum(o.index(impl) for o in orders) == len(orders) * (len(impls) - 1) / 2

@@ -170,6 +170,7 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     from autoflash.cli.common import open_store
     from autoflash.device import gpu_fingerprint
     from autoflash.tuning import tuner as tune_mod
+    from autoflash.tuning.results import representative_shapes
     from autoflash.tuning import workers as workers_mod
     from autoflash.tuning.storage import describe, make_storage
 
@@ -191,7 +192,7 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     store = open_store(db_path, readonly=False)
     make_storage(storage, store.path)  # a storage that cannot be used is said now, in one line
     device = gpu_fingerprint()
-    console.print(f"tuning {len(tune_mod.representative_shapes(shape_list))} problems on [bold]{device.name}[/] "
+    console.print(f"tuning {len(representative_shapes(shape_list))} problems on [bold]{device.name}[/] "
                   f"(torch {device.torch_version}, triton {device.triton_version}) -> {store.path}"
                   + (f" with {n} workers" if n > 1 else "") + f"; studies: {describe(storage, store.path)}")
     if interpret:

@@ -75,3 +75,13 @@ def spread(xs) -> float:
 def median(xs) -> float:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return statistics.median(xs) if xs else math.nan
+
+
+def representative_shapes(shapes: list[Shape]) -> list[Shape]:
+    """One shape per problem bucket (the first given), in order."""
+    seen, out = set(), []
+    for s in shapes:
+        if s.problem not in seen:
+            seen.add(s.problem)
+            out.append(s)
+    return out

@@ -8,8 +8,8 @@ then for each own kernel family of its op (trials split):
   3. compile the batch in worker processes while one worker owns the GPU and gates + times each
      candidate (claimed in the DB first, so concurrent tuners share work); failures are recorded;
 then re-measure the best of all families interleaved with the default and SDPA; the lowest median
-wins. Everything is in SQLite as it happens (the studies in Optuna's journal beside it, or in
---storage: autoflash.tuning.storage): a killed run resumes. A run (`workers.tune`, `workers.tune_workers`) drives a `shared.SharedTuner`.
+wins. Everything is in SQLite as it happens (the studies in Optuna's journal beside it, or in --storage):
+a killed run resumes. A run (`workers.tune`, `workers.tune_workers`) drives a `shared.SharedTuner`.
 """
 
 from __future__ import annotations
@@ -94,11 +94,11 @@ class Tuner:
         if not families:
             return ProblemResult(shape, problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
         default = default_variant(problem.op, problem, self.device)
-        # Backward candidates are timed after the forward a training step serves with them; a vendor
-        # forward is paired with the stored own backward (until this search finds a better one).
+        # Backward candidates are paired with the stored own forward (and a vendor forward with the
+        # stored own backward until this search finds a better one): what a training step serves.
         stored = [self.store.winners(self.gpu_key, head_dim=shape.head_dim), self.shipped_winners]
-        self.sandbox.context["training_forward"] = training_forward(shape, self.device, stored)
-        self.sandbox.context["training_backward"] = training_backward(shape, self.device, stored)
+        self.sandbox.context.update(training_forward=training_forward(shape, self.device, stored),
+                                    training_backward=training_backward(shape, self.device, stored))
         done: dict[str, dict] = {}  # "family:variant json" -> trial row
         measured = failed = 0
         # Vendor kernels first, every one of them, beside the trial budget and the time budget: a
@@ -294,9 +294,8 @@ class Tuner:
         if not top:
             return ProblemResult(shape, problem, stored, {}, math.nan, measured, failed, "no_valid_candidate")
         methods = list(dict.fromkeys(top + ([default_key] if default_key in ok else [])))
-        best_own = next((key for key in ok if not is_vendor(key)), None)
-        if best_own and problem.op == "bwd":  # (stored beside a vendor win: what a vendor forward is served with)
-            self.sandbox.context["training_backward"] = tuple(best_own.split(":", 1))
+        if problem.op == "bwd" and (own := next((key for key in ok if not is_vendor(key)), None)):
+            self.sandbox.context["training_backward"] = tuple(own.split(":", 1))  # (stored beside a vendor win)
         if not self.opt.interpret:
             methods += ["sdpa_cudnn", "sdpa_flash"]
         result = self.sandbox.call(self.opt.remeasure_fn or sandbox.remeasure, (
@@ -390,14 +389,3 @@ def make_sampler(seed: int, trials: int) -> optuna.samplers.BaseSampler:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(multivariate=True, group=True, seed=seed,
                                           n_startup_trials=min(10, max(3, trials // 4)))
-
-
-def representative_shapes(shapes: list[Shape]) -> list[Shape]:
-    """One shape per problem bucket (the first given), in order."""
-    seen, out = set(), []
-    for s in shapes:
-        if s.problem not in seen:
-            seen.add(s.problem)
-            out.append(s)
-    return out
-

@@ -41,7 +41,7 @@ def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Repo
     problem starting at problem `options.worker`; one result per problem, in the given order."""
     from autoflash.tuning.gpulock import current_gpu_lock
     from autoflash.tuning.shared import SharedTuner
-    from autoflash.tuning.tuner import representative_shapes
+    from autoflash.tuning.results import representative_shapes
 
     reporter = reporter or Reporter()
     start = options.clock()  # the budget covers the whole run, the workers' start-up included
@@ -136,7 +136,7 @@ def tune_workers(shapes: list[Shape], db_path, options: TuneOptions, workers: in
     failed or died (the others carry on: it loses only its running trial). on_event(kind, worker,
     payload) sees 'started' and 'problem' events as they come."""
     from autoflash.tuning.storage import make_storage
-    from autoflash.tuning.tuner import representative_shapes
+    from autoflash.tuning.results import representative_shapes
 
     if gpus is not None and len(gpus) < workers:
         raise ValueError(f"{workers} workers need {workers} GPUs, {len(gpus)} visible: two measuring "

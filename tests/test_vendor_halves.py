@@ -169,3 +169,21 @@ def test_cudnn_halves_on_the_gpu(forward, backward, layout):
         for mine, ref in zip(pair.backward(q, k, v, out, lse, do), _float64_grads(q, k, v, do)):
             err = rel_error(mine, ref)
             assert math.isfinite(err) and err < 2e-2, (shape, err)
+
+
+@pytest.mark.parametrize("half_sdpa_winner", [("sdpa", "autoflash")], indirect=True)
+def test_which_names_both_halves_of_the_served_pair(half_sdpa_winner, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import autoflash.cli
+    from autoflash.cli import cli
+
+    shapes = tmp_path / "s.toml"
+    shapes.write_text("[[shape]]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in SHAPE.__dict__.items()
+                                                 if k not in ("op", "page")) + "\n")
+    monkeypatch.setattr(autoflash.cli.console, "width", 400)  # one table row per line
+    r = CliRunner().invoke(cli, ["which", "--interpret", "--shapes", str(shapes), "--op", "bwd"])
+    assert r.exit_code == 0, r.output
+    (line,) = [line for line in r.output.splitlines() if "bwd/" in line]
+    own = default_variant("bwd", SHAPE.problem, DEVICE)  # the own backward stored beside the pair
+    assert "BACKEND=flash BACKWARD=autoflash FORWARD=sdpa" in line and f"(backward: triton_bwd: {own.short()})" in line

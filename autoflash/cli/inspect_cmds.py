@@ -69,6 +69,11 @@ def which(shapes, op, interpret):
         problem = dataclasses.replace(shape, op=op).problem
         _, how, origin = disp.winners(device).explain(problem)
         variant = disp.variant_for(problem, device)
-        t.add_row(shape.label(), problem.key, how, Path(origin).name if origin else "built-in",
-                  f"{variant.family}: {variant.short()}")
+        served = f"{variant.family}: {variant.short()}"
+        knobs = variant.as_dict()
+        for half, op_of_half in (("FORWARD", "fwd"), ("BACKWARD", "bwd")):  # a pair with one SDPA half
+            if knobs.get(half) == "autoflash":
+                own = disp.variant_for(dataclasses.replace(problem, op=op_of_half), device, own_only=True)
+                served += f" ({half.lower()}: {own.family}: {own.short()})"
+        t.add_row(shape.label(), problem.key, how, Path(origin).name if origin else "built-in", served)
     console.print(t)

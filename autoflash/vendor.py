@@ -125,7 +125,11 @@ class SdpaKernel:
         """(dq, dk, dv) by this backend's backward ATen op from a given out and lse (B, H, Nq)
         (any forward's: the convention is the same), K/V with H_kv heads taken as they are."""
         n_q, n_k = q.shape[2], k.shape[2]
+        if do.stride() != out.stride():  # (cuDNN reads the gradient with the output's strides: seen
+            do = torch.empty_like(out).copy_(do)  # to crash the process on an H200 when they differ)
         if self.backend == "cudnn":
+            if n_q == n_k == 1:  # refused by cuDNN's frontend ("s_q = s_kv = 1 is not supported")
+                raise RuntimeError("cuDNN attention has no backward for one query and one key")
             none = torch.empty(0, device=q.device)  # (dropout's RNG state: no dropout)
             return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
                 do, q, k, v, out, lse.unsqueeze(-1), none, none, None, None, None, n_q, n_k, 0.0, causal, scale=sm_scale)

@@ -85,6 +85,8 @@ def training_pair_for(winner, own_forward, own_backward, sm_scale: float, causal
     (`own_forward()`); a vendor variant with its FORWARD/BACKWARD halves, where a half that is not
     SDPA's is the own served kernel (`own_forward()`, `own_backward()`); None for SDPA's whole pair
     (run through torch autograd by its caller). The own kernels are built only when used."""
+    if winner.vendor and not winner.takes_causal_offset(causal, causal_offset):
+        winner = own_backward()  # (SDPA's causal mask is top-left: neither of its halves takes this call)
     if not winner.vendor:
         return TrainingPair(own_forward(), winner, sm_scale, causal, causal_offset, fallback_backward, fallback_forward)
     if winner.whole_pair:

@@ -172,7 +172,7 @@ def test_cudnn_halves_on_the_gpu(forward, backward, layout):
                 assert math.isfinite(err) and err < 2e-2, (shape, err)
 
 
-@pytest.mark.parametrize("half_sdpa_winner", [("sdpa", "autoflash")], indirect=True)
+@pytest.mark.parametrize("half_sdpa_winner", HALVES, indirect=True)
 def test_which_names_both_halves_of_the_served_pair(half_sdpa_winner, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
@@ -186,5 +186,52 @@ def test_which_names_both_halves_of_the_served_pair(half_sdpa_winner, tmp_path, 
     r = CliRunner().invoke(cli, ["which", "--interpret", "--shapes", str(shapes), "--op", "bwd"])
     assert r.exit_code == 0, r.output
     (line,) = [line for line in r.output.splitlines() if "bwd/" in line]
-    own = default_variant("bwd", SHAPE.problem, DEVICE)  # the own backward stored beside the pair
-    assert "BACKEND=flash BACKWARD=autoflash FORWARD=sdpa" in line and f"(backward: triton_bwd: {own.short()})" in line
+    forward, backward = half_sdpa_winner
+    assert f"BACKEND=flash BACKWARD={backward} FORWARD={forward}" in line
+    if backward == "autoflash":  # the own backward stored beside the pair
+        own = default_variant("bwd", SHAPE.problem, DEVICE)
+        assert f"(backward: triton_bwd: {own.short()})" in line and "(forward:" not in line
+    else:  # no forward stored: the own forward default
+        own = default_variant("fwd", Shape(**{**SHAPE.__dict__, "op": "fwd"}).problem, DEVICE)
+        assert f"(forward: {own.family}: {own.short()})" in line and "(backward:" not in line
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("forward, backward", HALVES)
+def test_a_causal_mask_not_top_left_never_reaches_an_sdpa_half(forward, backward):
+    """SDPA's causal mask is top-left: a pair with an SDPA half asked for a bottom-right call
+    (flash-attn's alignment, Nq < Nk) is the own pair instead, with the right gradients."""
+    from autoflash import ops
+
+    shape = Shape(**{**SHAPE.__dict__, "seqlen_q": 24})
+    q, k, v = make_inputs(shape, "cpu", seed=7)
+    do = make_inputs(shape, "cpu", seed=8)[0]
+    offset, scale = shape.seqlen_k - shape.seqlen_q, shape.head_dim ** -0.5
+    pair = ops.training_pair(q, k, v, scale, True, offset, winner=SdpaKernel(pair_variant("flash", forward, backward)))
+    assert not pair.forward_kernel.vendor and not pair.backward_kernel.vendor
+    out, lse = pair.forward(q, k, v)
+    assert rel_error(out, reference(q, k, v, True, offset, scale)[0]) < 1e-5
+    for mine, ref in zip(pair.backward(q, k, v, out, lse, do), reference_grads(q, k, v, do, True, offset, scale)):
+        assert rel_error(mine, ref) < 1e-5
+
+
+def test_a_pair_with_the_own_backward_is_stored_with_the_own_backward_it_was_timed_with(tmp_path):
+    """The dispatcher serves such a pair with the own row stored beside it: that row is the own
+    backward the pair was re-measured with, even where another own candidate re-measured faster."""
+    from autoflash.dispatch import WinnerTable
+    from autoflash.tuning.winner_rows import store_winner_rows
+
+    store = Store(tmp_path / "w.db")
+    gpu_key = store.add_gpu(DEVICE)
+    problem = SHAPE.problem
+    paired, faster = load_space("triton_bwd").valid_variants(problem, DEVICE)[:2]
+    methods = [f"{v.family}:{v.json()}" for v in (pair_variant("flash", "sdpa", "autoflash"), paired, faster)]
+    medians = dict(zip(methods, (1.0, 3.0, 2.0)))
+    ms = {"default": 3.0, "sdpa_cudnn": float("nan"), "sdpa_flash": float("nan")}
+    for paired_own, stored in ((methods[1], paired), (None, faster)):
+        store_winner_rows(store, gpu_key=gpu_key, problem=problem, shape=SHAPE, winner_key=methods[0], finite=methods,
+                          medians=medians, samples={}, spread=0.0, ms=ms, measured=3, run_id=None, paired_own=paired_own)
+        table = WinnerTable(DEVICE, [store.path])
+        assert table.lookup(problem)[0] == pair_variant("flash", "sdpa", "autoflash")
+        assert table.lookup(problem, own_only=True) == (stored, "exact")
+    store.close()

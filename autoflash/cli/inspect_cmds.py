@@ -73,7 +73,7 @@ def which(shapes, op, interpret):
         knobs = variant.as_dict()
         for half, op_of_half in (("FORWARD", "fwd"), ("BACKWARD", "bwd")):  # a pair with one SDPA half
             if knobs.get(half) == "autoflash":
-                own = disp.variant_for(dataclasses.replace(problem, op=op_of_half), device, own_only=True)
+                own = disp.variant_for(dataclasses.replace(shape, op=op_of_half).problem, device, own_only=True)
                 served += f" ({half.lower()}: {own.family}: {own.short()})"
         t.add_row(shape.label(), problem.key, how, Path(origin).name if origin else "built-in", served)
     console.print(t)

@@ -54,6 +54,15 @@ def ping() -> dict:
     return {"status": "ok", "samples": {}}
 
 
+def _own_halves(variant: Variant) -> tuple:
+    """What else a vendor pair's gate result depends on: the own kernels it is paired with."""
+    from autoflash.tuning import gate
+
+    if variant.as_dict().get("FORWARD", "sdpa") == variant.as_dict().get("BACKWARD", "sdpa"):
+        return ()  # an own kernel, or SDPA's whole pair
+    return tuple(v and v.json() for v in (gate.training_forward, gate.training_backward))
+
+
 def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float, device_str: str) -> Outcome:
     """Compile, gate and time one variant in this process (the worker's body)."""
     from autoflash import codegen
@@ -62,7 +71,8 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
     device = torch.device(device_str)
     # The gate's inputs depend only on these, not on the timing shape's lengths: problems that
     # differ only in seqlen bucket share one gate result per variant within a worker.
-    gate_key = (variant.family, variant.json(), shape.dtype, shape.head_dim, shape.causal, shape.heads_q // shape.heads_kv)
+    gate_key = (variant.family, variant.json(), shape.dtype, shape.head_dim, shape.causal, shape.heads_q // shape.heads_kv,
+                *_own_halves(variant))
     try:
         kernel = codegen.load(variant)
         gate = _gate_cache.get(gate_key)
@@ -186,7 +196,7 @@ class Sandbox:
         self._proc = None
         # Sent with every task (so a restarted worker has it too): "training_forward" and
         # "training_backward", the own forward and backward (family, variant JSON) that backward
-        # candidates are paired with (`timing.training_pair_for`).
+        # candidates are paired with (`gate.candidate_pair`).
         self.context: dict = {}
 
     def _start(self):

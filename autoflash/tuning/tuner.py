@@ -287,6 +287,7 @@ class Tuner:
         best_vendor = next((key for key in ok if is_vendor(key)), None)
         if best_vendor:
             top.append(best_vendor)  # the bar: an own kernel is stored only where it beats it (below)
+            top += [key for key in ok if not is_vendor(key)][:1]  # (stored beside a vendor win)
         top = [key for key in dict.fromkeys(top) if self._gated_this_run(key, done[key], candidates[key], shape)]
         if incumbent not in top:
             incumbent = None
@@ -294,8 +295,10 @@ class Tuner:
         if not top:
             return ProblemResult(shape, problem, stored, {}, math.nan, measured, failed, "no_valid_candidate")
         methods = list(dict.fromkeys(top + ([default_key] if default_key in ok else [])))
-        if problem.op == "bwd" and (own := next((key for key in ok if not is_vendor(key)), None)):
-            self.sandbox.context["training_backward"] = tuple(own.split(":", 1))  # (stored beside a vendor win)
+        # A vendor forward is re-measured with the fastest gated own backward, and stored with it.
+        paired_own = next((key for key in ok if key in top and not is_vendor(key)), None)
+        if problem.op == "bwd" and paired_own:
+            self.sandbox.context["training_backward"] = tuple(paired_own.split(":", 1))
         if not self.opt.interpret:
             methods += ["sdpa_cudnn", "sdpa_flash"]
         result = self.sandbox.call(self.opt.remeasure_fn or sandbox.remeasure, (
@@ -321,7 +324,7 @@ class Tuner:
               "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
         store_winner_rows(self.store, gpu_key=self.gpu_key, problem=problem, shape=shape, winner_key=winner_key,
                           finite=finite, medians=medians, samples=samples, spread=spread, ms=ms,
-                          measured=measured, run_id=self.run_id)
+                          measured=measured, run_id=self.run_id, paired_own=paired_own)
         return ProblemResult(shape, problem, candidates[winner_key], ms, spread, measured, failed, "tuned")
 
     def _trusted_variant(self, key: str, row: dict, problem) -> Variant | None:

@@ -6,6 +6,7 @@ bench`'s own-kernels column) is still served a tuned one."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from autoflash import codegen
 from autoflash.space import families_for, load_space
@@ -29,10 +30,19 @@ def vendor_on_a_tie(winner_key: str, finite: list[str], medians: dict) -> str:
     return vendor_key if medians[vendor_key] <= medians[winner_key] * (1 + VENDOR_TIE_MARGIN) else winner_key
 
 
+def pairs_with_own_backward(method: str) -> bool:
+    """Whether a 'family:variant JSON' method is a vendor pair whose backward half is autoflash's."""
+    family, _, variant_json = method.partition(":")
+    return bool(load_space(family).vendor) and json.loads(variant_json).get("BACKWARD") == "autoflash"
+
+
 def store_winner_rows(store, *, gpu_key, problem, shape, winner_key: str, finite: list[str], medians: dict,
-                      samples: dict, spread: float, ms: dict, measured: int, run_id: int) -> None:
+                      samples: dict, spread: float, ms: dict, measured: int, run_id: int,
+                      paired_own: str | None = None) -> None:
     """Write the winner (superseding every other family's winner of the problem); after a vendor
-    win, first the fastest finite own candidate (superseding the own families' rows only)."""
+    win, first the fastest finite own candidate (superseding the own families' rows only), or
+    `paired_own` where the winner's backward half is autoflash's (the own backward it was timed
+    with: the dispatcher serves the pair with the own row stored beside it)."""
     families = families_for(problem.op)
     own_families = [f for f in families if not load_space(f).vendor]
     rows = [(winner_key, medians[winner_key], spread, families)]
@@ -40,6 +50,8 @@ def store_winner_rows(store, *, gpu_key, problem, shape, winner_key: str, finite
         own = [m for m in finite if not is_vendor(m)]
         if own:
             best_own = min(own, key=lambda m: medians[m])
+            if pairs_with_own_backward(winner_key) and paired_own in own:
+                best_own = paired_own
             rows.insert(0, (best_own, medians[best_own], spread_of(samples.get(best_own, [])), own_families))
         rows[-1] = (*rows[-1][:3], [f for f in families if f not in own_families])
     for method, median_ms, row_spread, replaced in rows:

@@ -73,11 +73,14 @@ def template_hash(family: str) -> str:
     return _source_hash(template_source(family))
 
 
-def family_for_hash(op: str, thash: str) -> str | None:
-    """Which current family of `op` a stored template hash belongs to (None: an older template)."""
+def family_for_hash(op: str, thash: str, earlier: bool = False) -> str | None:
+    """Which current family of `op` a stored template hash belongs to (None: an older template).
+    earlier: also a vendor family's earlier space file it `replaces` (rows that need the `[legacy]`
+    values of the knobs added since)."""
     from autoflash.space import families_for
 
-    return next((f for f in families_for(op) if template_hash(f) == thash), None)
+    return next((f for f in families_for(op) if template_hash(f) == thash
+                 or (earlier and thash in load_space(f).replaces)), None)
 
 
 def _source_hash(source: str) -> str:

@@ -96,10 +96,13 @@ class WinnerTable:
                 continue
             try:
                 problem = Problem.from_key(row["problem"])
-                family = codegen.family_for_hash(problem.op, row["template_hash"])
+                family = codegen.family_for_hash(problem.op, row["template_hash"], earlier=True)
                 if family is None:
                     continue  # tuned for another version of the templates
-                variant = load_space(family).validate(json.loads(row["variant"]), problem, self.device)
+                space, knobs = load_space(family), json.loads(row["variant"])
+                if row["template_hash"] != codegen.template_hash(family) and isinstance(knobs, dict):
+                    knobs = {**space.legacy, **knobs}  # a vendor row of an earlier space file
+                variant = space.validate(knobs, problem, self.device)
             except (InvalidVariant, ValueError, KeyError, TypeError) as e:
                 warnings.warn(f"autoflash: rejected winner for {row.get('problem')!r} in {path}: {e}",
                               RuntimeWarning, stacklevel=2)

@@ -154,6 +154,9 @@ class Space:
     # knob -> the value that renders what the template rendered before the knob existed (a winner
     # stored then is that kernel: `[legacy]` in the space file)
     legacy: Mapping = dataclasses.field(default_factory=dict)
+    # A vendor family's earlier space files, by hash (`replaces`): their rows name the same kernels,
+    # with the `[legacy]` value of every knob added since (nothing is rendered from a vendor space).
+    replaces: tuple = ()
 
     # ---- sizes and enumeration
     @property
@@ -291,8 +294,12 @@ def parse_space(text: str, family: str | None = None) -> Space:
             raise ValueError(f"[legacy] of {family}: {knob}={value!r} is not a declared choice")
     if bool(data.get("template")) == bool(data.get("vendor")):
         raise ValueError(f"search space of {family}: name either a `template` or a `vendor`, not both or neither")
+    replaces = tuple(data.get("replaces", ()))
+    if replaces and not data.get("vendor"):
+        raise ValueError(f"search space of {family}: `replaces` is for vendor families (a template's kernels change with it)")
     return Space(family=family, op=data["op"], template=data.get("template", ""), knobs=knobs, derived=derived,
-                 constraints=constraints, defaults=defaults, vendor=data.get("vendor", ""), legacy=legacy)
+                 constraints=constraints, defaults=defaults, vendor=data.get("vendor", ""), legacy=legacy,
+                 replaces=replaces)
 
 
 def default_variant(op: str, problem: Problem, device: GPUFingerprint) -> Variant:

@@ -235,3 +235,27 @@ def test_a_pair_with_the_own_backward_is_stored_with_the_own_backward_it_was_tim
         assert table.lookup(problem)[0] == pair_variant("flash", "sdpa", "autoflash")
         assert table.lookup(problem, own_only=True) == (stored, "exact")
     store.close()
+
+
+def test_a_vendor_row_of_the_earlier_space_file_is_still_served(tmp_path):
+    """A user's DB tuned before the halves were knobs holds SDPA pair winners under the earlier
+    space file's hash, without FORWARD/BACKWARD: they are served as SDPA's whole pair (not dropped,
+    which would serve the slower own kernel stored beside them)."""
+    from autoflash.dispatch import WinnerTable
+
+    (earlier,) = load_space("sdpa_bwd").replaces
+    assert earlier != codegen.template_hash("sdpa_bwd")
+    store = Store(tmp_path / "old.db")
+    store.add_gpu(DEVICE)
+    problem = SHAPE.problem
+    own = default_variant("bwd", problem, DEVICE)
+    store.set_winner(gpu_key=DEVICE.key, problem=problem, template_hash=earlier, variant_json='{"BACKEND":"flash"}',
+                     median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
+    store.set_winner(gpu_key=DEVICE.key, problem=problem, template_hash=codegen.template_hash(own.family),
+                     variant_json=own.json(), median_ms=2.0, spread=0.0, tflops=1.0, trials=3)
+    store.close()
+    table = WinnerTable(DEVICE, [tmp_path / "old.db"])
+    assert table.rejected == []
+    assert table.lookup(problem) == (pair_variant("flash", "sdpa", "sdpa"), "exact")
+    assert table.lookup(problem, own_only=True) == (own, "exact")
+    assert codegen.family_for_hash("bwd", earlier) is None  # (a shipped DB must be re-keyed: see test_dispatch)

@@ -281,7 +281,6 @@ def test_backward_candidates_are_timed_after_the_stored_forward_winner(tmp_path)
     forward default; with no forward stored, after the default."""
     fwd = Shape(1, 2, 2, 37, 37, 64, True, "float16")
     bwd = Shape(1, 2, 2, 37, 37, 64, True, "float16", op="bwd")
-    device = gpu_fingerprint()
     options = TuneOptions(trials=2, interpret=True, evaluate_fn=report_training_forward)
 
     def forwards_seen(store):
@@ -310,3 +309,22 @@ def test_a_given_forward_variant_gives_the_backward_its_output():
                  if variant != default)
     assert gate.forward_kernel_for_backward(q, k, v, True, other) is codegen.load(other)
     assert gate.forward_kernel_for_backward(q, k, v, True) is codegen.load(default)
+
+
+def test_a_sampler_stuck_on_known_variants_still_spends_the_budget(tmp_path, monkeypatch):
+    """A sampler that keeps proposing measured (or invalid) variants (TPE concentrated on a small
+    good region, or a resumed study) must not end the search short of its trial budget: the tuner
+    hands it unmeasured valid variants. Here a real Optuna sampler that only ever proposes the default."""
+    import optuna
+
+    from autoflash.tuning import tuner
+
+    shape = Shape(1, 2, 2, 37, 37, 32, True, "float32")
+    default = default_variant("fwd", shape.problem, gpu_fingerprint())
+    monkeypatch.setattr(tuner, "make_sampler", lambda seed, trials: optuna.samplers.PartialFixedSampler(
+        default.as_dict(), optuna.samplers.RandomSampler(seed=seed)))
+    store = Store(tmp_path / "t.db")
+    tune([shape], store, TuneOptions(trials=5, interpret=True))
+    measured = [r["variant"] for r in store.db["trials"].rows if r["status"] != "pruned"]
+    assert len(measured) == 5 and len(set(measured)) == 5
+    store.close()

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 
 import optuna
 
@@ -153,10 +154,14 @@ class Tuner:
                 queue_[:] = [v for v in queue_ if v not in taken]
                 return (batch, self._compile_async(batch, shape)) if batch else None
             while n > 0 and time_left() and stale <= 3:
+                if stale == 3:  # the sampler keeps proposing known or invalid variants: hand it unmeasured
+                    left = [v for v in valid if v.json() not in mine]  # valid ones, so the budget is spent
+                    for v in random.Random(self.opt.seed + len(mine)).sample(left, min(n, len(left))):
+                        study.enqueue_trial(v.as_dict())
                 batch = self._ask_batch(study, space, problem, mine, n)
                 if batch:
                     return batch, self._compile_async(batch, shape)
-                stale += 1  # the sampler keeps proposing known or invalid variants: nearly exhausted
+                stale += 1
             return None
 
         pending = next_batch(min(batch_size, budget - measured))

@@ -21,7 +21,7 @@ from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_cou
 from autoflash.problem import Shape
 from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, paged_cache, reference, reference_grads, rel_error,
                                  sdpa_error, sdpa_grads)
-from autoflash.space import Variant, default_variant, families_for, load_space
+from autoflash.space import Variant, default_variant, load_space
 from autoflash.training import training_pair_for
 
 GATE_FACTOR = 2.0  # candidate error <= GATE_FACTOR * SDPA's error (DESIGN.md §4)
@@ -141,38 +141,32 @@ def forward_kernel_for_backward(q, k, v, causal: bool, forward: Variant | None =
     problem's stored winner, what a training step serves) where it takes these tensors, else the
     forward family's default kernel. Built through codegen (never the API: no dispatcher, DB or
     tune-on-miss)."""
-    if forward is not None:
-        kernel = codegen.load(forward)
-        if not kernel.unsupported(q, k, v, q):
-            return kernel
-    shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
-                  seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:])
-    device = gpu_fingerprint(q.device.index if q.is_cuda else None)
-    variant = default_variant("fwd", shape.problem, device)
-    kernel = codegen.load(variant)
-    if kernel.unsupported(q, k, v, q) and "LOADS" in variant.as_dict():
-        space = load_space(variant.family)
-        kernel = codegen.load(space.nearest_valid(variant.replace(LOADS="pointer", WARP_SPECIALIZE=False),
-                                                  shape.problem, device))
-    return kernel
+    return _own_kernel("fwd", q, k, v, causal, forward)
 
 
 def backward_kernel_for_pair(q, k, v, causal: bool, backward: Variant | None = None) -> Kernel:
     """The own backward a vendor forward is paired with: `backward` (the problem's stored own
     winner, what the dispatcher serves beside a vendor win) where it takes these tensors, else the
-    own backward family's default kernel. Built through codegen."""
-    if backward is not None:
-        kernel = codegen.load(backward)
+    backward family's default kernel. Built through codegen."""
+    return _own_kernel("bwd", q, k, v, causal, backward)
+
+
+def _own_kernel(op: str, q, k, v, causal: bool, stored: Variant | None) -> Kernel:
+    """`stored` where it takes these tensors, else the op's default (own) variant, with pointer
+    loads where the default's TMA cannot take them."""
+    if stored is not None:
+        kernel = codegen.load(stored)
         if not kernel.unsupported(q, k, v, q):
             return kernel
     shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
-                  seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:], op="bwd")
+                  seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:], op=op)
     device = gpu_fingerprint(q.device.index if q.is_cuda else None)
-    space = next(load_space(f) for f in families_for("bwd") if not load_space(f).vendor)
-    variant = space.default_for(shape.problem, device)
+    variant = default_variant(op, shape.problem, device)
     kernel = codegen.load(variant)
-    if kernel.unsupported(q, k, v, q) and "LOADS" in variant.as_dict():
-        kernel = codegen.load(space.nearest_valid(variant.replace(LOADS="pointer"), shape.problem, device))
+    knobs = variant.as_dict()
+    if kernel.unsupported(q, k, v, q) and "LOADS" in knobs:
+        fallback = {"LOADS": "pointer", **({"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in knobs else {})}
+        kernel = codegen.load(load_space(variant.family).nearest_valid(variant.replace(**fallback), shape.problem, device))
     return kernel
 
 

@@ -1,6 +1,7 @@
 """Every CLI input is validated: a user mistake is a one-line error naming the option, with a
 non-zero exit code and never a traceback (issue "harden", CLI part)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -152,6 +153,44 @@ def test_sigint_during_a_real_tune_exits_130(tmp_path):
     output = "".join(lines) + rest
     assert proc.returncode == 130, output
     assert "interrupted" in output and "Aborted" not in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_during_a_real_tune_stops_it_like_ctrl_c(tmp_path, workers):
+    """A scheduler's SIGTERM (sent to the tuner alone): exit 143, the run marked interrupted, and
+    the finished trials in the DB file itself: a copy of that one file (no -wal beside it) has them."""
+    db = tmp_path / "t.db"
+    log = tmp_path / "log.txt"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "autoflash", "tune", "--interpret", "--trials", "200",
+                                 "--workers", str(workers), "--db", str(db)], stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+    try:
+        measured, deadline = 0, time.monotonic() + 180
+        while measured < 2 and time.monotonic() < deadline and proc.poll() is None:  # until trials are stored
+            time.sleep(0.5)
+            try:  # closed at once: the tuner, as the DB's last connection, folds the -wal into the file
+                with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+                    measured = conn.execute("select count(*) from trials").fetchone()[0]
+            except sqlite3.Error:  # not created yet
+                pass
+        assert measured >= 2, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 143, output
+    assert "terminated" in output and "Traceback" not in output
+    assert not db.with_name(db.name + "-wal").exists()
+    alone = tmp_path / "copy.db"
+    alone.write_bytes(db.read_bytes())
+    with contextlib.closing(sqlite3.connect(alone)) as conn:
+        assert conn.execute("select count(*) from trials").fetchone()[0] >= measured
+        assert [r[0] for r in conn.execute("select status from runs")] == ["interrupted"] * workers
 
 
 # --------------------------------------------------------------------------- randomized

@@ -62,14 +62,18 @@ class FriendlyGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
-            interrupted()
+        except KeyboardInterrupt as e:
+            interrupted(e)
 
 
-def interrupted():
-    """Say that the run was interrupted (finished work is stored) and exit 130 like a shell."""
-    console.print("[yellow]interrupted[/] (finished work is stored; a re-run resumes)")
-    raise click.exceptions.Exit(130)
+def interrupted(e: KeyboardInterrupt | None = None):
+    """Say that the run was stopped (finished work is stored) and exit like a shell: 130 after
+    Ctrl-C, 143 after a SIGTERM (`autoflash.tuning.stopping`)."""
+    from autoflash.tuning.stopping import Terminated
+
+    word, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+    console.print(f"[yellow]{word}[/] (finished work is stored; a re-run resumes)")
+    raise click.exceptions.Exit(code)
 
 
 # --------------------------------------------------------------------------- options

@@ -173,6 +173,7 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     from autoflash.tuning.results import representative_shapes
     from autoflash.tuning import workers as workers_mod
     from autoflash.tuning.storage import describe, make_storage
+    from autoflash.tuning.stopping import sigterm_interrupts
 
     op_list = _parse_ops(ops)
     if interpret:
@@ -199,10 +200,11 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
         console.print("[yellow]interpreter mode: kernels run on the CPU; correctness is real, timings are not "
                       "GPU performance. A CUDA GPU is needed for real tuning.[/]")
     command = " ".join(["autoflash", *sys.argv[1:]])
-    if n == 1:
-        results = _tune_one(workers_mod, shape_list, store, options, command)
-    else:
-        results = _tune_many(workers_mod, shape_list, store, options, n, gpus, command)
+    with sigterm_interrupts():  # a scheduler's SIGTERM stops the run like Ctrl-C: work stored, DB one file
+        if n == 1:
+            results = _tune_one(workers_mod, shape_list, store, options, command)
+        else:
+            results = _tune_many(workers_mod, shape_list, store, options, n, gpus, command)
     _report(results, store, op_list, device, interpret, md_path, trials)
 
 

@@ -30,6 +30,7 @@ import traceback
 
 from autoflash.problem import Shape
 from autoflash.store import Store
+from autoflash.tuning.stopping import Terminated, sigterm_interrupts
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 
 FAILED = ("wrong", "compile_error", "runtime_error", "timeout", "crashed")
@@ -103,11 +104,13 @@ def _worker_main(worker: int, shapes: list[Shape], db_path: str, options: TuneOp
         store = Store(db_path)
         from autoflash.device import gpu_fingerprint
 
-        results = tune(shapes, store, options, reporter=_QueueReporter(events, worker), command=command)
+        with sigterm_interrupts():
+            results = tune(shapes, store, options, reporter=_QueueReporter(events, worker), command=command)
         events.put(("done", worker, (gpu_fingerprint().key, results)))
-    except KeyboardInterrupt:
-        events.put(("error", worker, "interrupted"))
-        raise SystemExit(130)
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        events.put(("error", worker, "terminated" if terminated else "interrupted"))
+        raise SystemExit(143 if terminated else 130)
     except BaseException as e:  # noqa: BLE001 - reported by the parent, one line (details below it)
         events.put(("error", worker, f"{type(e).__name__}: {e}".strip().splitlines()[0] if str(e) else type(e).__name__))
         traceback.print_exc()
@@ -175,11 +178,19 @@ def _collect(procs: dict, events, on_event) -> tuple[dict, dict]:
                 errors[worker] = payload
             elif on_event is not None:
                 on_event(kind, worker, payload)
-    except KeyboardInterrupt:  # the workers got the terminal's SIGINT too: let them record it
+    except KeyboardInterrupt as e:
+        # Ctrl-C reached the workers too (the terminal signals the whole process group): let them
+        # record it. A SIGTERM may have reached this process alone: pass it on, each worker stops
+        # the same way. One that does not stop within 30 s is killed.
+        if isinstance(e, Terminated):
+            for p in procs.values():
+                if p.is_alive():
+                    p.terminate()
         for p in procs.values():
             p.join(timeout=30)
             if p.is_alive():
-                p.terminate()
+                p.kill()
+                p.join(timeout=5)
         raise
     for p in procs.values():
         p.join()

@@ -92,6 +92,9 @@ COMPILE_SAMPLE = [
     (knobs(BLOCK_N=64, NUM_STAGES=4), 64, torch.float16, True),
     (knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, CONSUMER_REGS=200),
      128, torch.bfloat16, True),
+    # The default (and the shipped winner) of d128 causal GQA problems at 2k tokens and up.
+    (knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, PERSISTENT=True, PINGPONG=True,
+           CONSUMER_REGS=200, PRODUCER_REGS=40), 128, torch.bfloat16, True),
     # Head dims under their tile (TMA pads): 96 in a 128 tile; and the 256 tile.
     (knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, BLOCK_N=64), 96,
      torch.bfloat16, True),
@@ -284,6 +287,8 @@ KNOB_SAMPLE = [
     knobs(NUM_CONSUMERS=3, CONSUMER_WARPGROUPS=1, BLOCK_M=64, CONSUMER_REGS=160, INTRA_OVERLAP=False,
           PERSISTENT=True),
     knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, PERSISTENT=True),
+    knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, PERSISTENT=True, PINGPONG=True,
+          CONSUMER_REGS=200, PRODUCER_REGS=40),
 ]
 
 

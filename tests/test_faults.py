@@ -612,3 +612,29 @@ def test_the_journal_lock_works_where_the_file_system_has_no_hard_links(tmp_path
     assert pathlib.Path(lock.lock_file).read_text().split() == [socket.gethostname(), str(os.getpid())]
     lock.release()
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def _sleep_then_ok(seconds):
+    from autoflash.tuning.sandbox import Outcome
+
+    time.sleep(seconds)
+    return Outcome("ok")
+
+
+def test_a_stopped_run_kills_its_compile_workers_instead_of_waiting_for_their_batch():
+    """A tune stopped by Ctrl-C or SIGTERM closes its compile pool with now=True: the workers are
+    killed at once, none is started again, and the batch in flight (minutes of compiling on a GPU
+    host, here a 10-minute sleep) is abandoned instead of waited for."""
+    from autoflash.tuning.sandbox import WorkerPool
+
+    pool = WorkerPool(2, "cpu", {})
+    pool.start(timeout_s=120)
+    procs = [sb._proc for sb in pool._all]
+    batch = pool.map_async(_sleep_then_ok, [(600,)] * 4, timeout_s=900)
+    time.sleep(2)  # both workers are inside a task
+    closer = threading.Thread(target=pool.close, kwargs={"now": True})
+    closer.start()
+    closer.join(timeout=60)  # a hang guard: without now=True, close waits out the whole batch
+    assert not closer.is_alive()
+    assert batch.done() and all(not p.is_alive() for p in procs)
+    assert all(sb._proc is None for sb in pool._all)

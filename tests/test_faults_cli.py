@@ -155,10 +155,14 @@ def test_sigint_during_a_real_tune_exits_130(tmp_path):
     assert "interrupted" in output and "Aborted" not in output and "Traceback" not in output
 
 
+FINISHED_TRIALS = "select count(*) from trials where status not in ('running', 'pruned')"
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_during_a_real_tune_stops_it_like_ctrl_c(tmp_path, workers):
-    """A scheduler's SIGTERM (sent to the tuner alone): exit 143, the run marked interrupted, and
-    the finished trials in the DB file itself: a copy of that one file (no -wal beside it) has them."""
+    """A scheduler's SIGTERM (sent to the tuner alone): exit 143, every worker's run marked
+    interrupted, and the finished trials in the DB file itself: a copy of that one file (no -wal
+    beside it) has them."""
     db = tmp_path / "t.db"
     log = tmp_path / "log.txt"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -167,15 +171,18 @@ def test_sigterm_during_a_real_tune_stops_it_like_ctrl_c(tmp_path, workers):
                                  "--workers", str(workers), "--db", str(db)], stdout=out, stderr=subprocess.STDOUT,
                                 env=env)
     try:
-        measured, deadline = 0, time.monotonic() + 180
-        while measured < 2 and time.monotonic() < deadline and proc.poll() is None:  # until trials are stored
+        finished = running = 0
+        deadline = time.monotonic() + 180
+        # Until trials are stored and every worker is tuning (each has claimed a trial of its run).
+        while (finished < 2 or running < workers) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)
             try:  # closed at once: the tuner, as the DB's last connection, folds the -wal into the file
                 with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-                    measured = conn.execute("select count(*) from trials").fetchone()[0]
+                    finished = conn.execute(FINISHED_TRIALS).fetchone()[0]
+                    running = conn.execute("select count(distinct run_id) from trials").fetchone()[0]
             except sqlite3.Error:  # not created yet
                 pass
-        assert measured >= 2, log.read_text()
+        assert finished >= 2 and running == workers, log.read_text()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
@@ -189,7 +196,7 @@ def test_sigterm_during_a_real_tune_stops_it_like_ctrl_c(tmp_path, workers):
     alone = tmp_path / "copy.db"
     alone.write_bytes(db.read_bytes())
     with contextlib.closing(sqlite3.connect(alone)) as conn:
-        assert conn.execute("select count(*) from trials").fetchone()[0] >= measured
+        assert conn.execute(FINISHED_TRIALS).fetchone()[0] >= finished
         assert [r[0] for r in conn.execute("select status from runs")] == ["interrupted"] * workers
 
 

@@ -198,6 +198,7 @@ class Sandbox:
         # "training_backward", the own forward and backward (family, variant JSON) that backward
         # candidates are paired with (`gate.candidate_pair`).
         self.context: dict = {}
+        self._stopped = False  # `stop_now` was called: no call starts a worker again
 
     def _start(self):
         self._tasks = self._ctx.Queue()
@@ -205,11 +206,22 @@ class Sandbox:
         self._proc = self._ctx.Process(target=_worker_main, args=(self._tasks, self._results, self.env), daemon=True)
         self._proc.start()
 
-    def close(self):
+    def close(self, now: bool = False):
+        """Stop the worker: asked to finish its task and exit (up to 5 s), or (now) killed at once."""
+        if now:
+            self.stop_now()
         if self._proc is not None and self._proc.is_alive():
             self._tasks.put(None)
             self._proc.join(timeout=5)
         self._kill()
+
+    def stop_now(self):
+        """Kill the worker process at once and refuse further calls; safe while another thread is in
+        `call` (it then returns a 'crashed' outcome, which nobody records: the run is stopping)."""
+        self._stopped = True
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
 
     def _kill(self):
         if self._proc is not None:
@@ -228,6 +240,8 @@ class Sandbox:
         return self.call(fn or evaluate_variant, (variant.json(), variant.family, shape, rep_ms, self.device), timeout_s)
 
     def call(self, fn, args: tuple, timeout_s: float) -> Outcome:
+        if self._stopped:
+            return Outcome("crashed", message="the sandbox was stopped")
         if self._proc is None or not self._proc.is_alive():
             self._kill()  # reap a worker that exited after its last answer
             self._start()
@@ -288,8 +302,13 @@ class WorkerPool:
                 self._free.put(sb)
         return list(self._threads.map(one, args_list))
 
-    def close(self):
-        self._background.shutdown(wait=True)
-        self._threads.shutdown(wait=True)
+    def close(self, now: bool = False):
+        """Stop every worker; now (a stopped run): kill them first, so that a compile batch in flight
+        is abandoned rather than waited for (it can take minutes; a scheduler's SIGKILL comes sooner)."""
+        if now:
+            for sb in self._all:
+                sb.stop_now()
+        self._background.shutdown(wait=True, cancel_futures=True)
+        self._threads.shutdown(wait=True, cancel_futures=True)
         for sb in self._all:
-            sb.close()
+            sb.close(now=now)

@@ -17,7 +17,15 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum, frame):
+    # Once: a second SIGTERM (a scheduler signals the whole process group, and a parent passes the
+    # signal on to its workers) must not break off the clean-up the first one started. A Python
+    # no-op, not SIG_IGN, which processes started from here on would inherit.
+    signal.signal(signal.SIGTERM, _ignore)
     raise Terminated()
+
+
+def _ignore(signum, frame):
+    pass
 
 
 @contextlib.contextmanager

@@ -80,9 +80,10 @@ class Tuner:
             self.compilers.start(options.trial_timeout_s)
 
     def close(self, status: str, problems: int) -> None:
-        self.sandbox.close()
+        stopped = status != "finished"  # Ctrl-C or SIGTERM: the workers are killed, not waited for
+        self.sandbox.close(now=stopped)
         if self.compilers:
-            self.compilers.close()
+            self.compilers.close(now=stopped)
         self.store.finish_run(self.run_id, status, problems, self.total_measured)
 
     # ------------------------------------------------------------------ one problem

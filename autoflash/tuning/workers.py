@@ -148,12 +148,16 @@ def tune_workers(shapes: list[Shape], db_path, options: TuneOptions, workers: in
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
     events = ctx.Queue()
     procs = {}
-    for i in range(workers):
-        with _environ({"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {}):
-            procs[i] = ctx.Process(target=_worker_main, name=f"autoflash-worker-{i}", args=(
-                i, shapes, str(db_path), dataclasses.replace(options, worker=i), command, events))
-            procs[i].start()
-    done, errors = _collect(procs, events, on_event)
+    try:
+        for i in range(workers):
+            with _environ({"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {}):
+                procs[i] = ctx.Process(target=_worker_main, name=f"autoflash-worker-{i}", args=(
+                    i, shapes, str(db_path), dataclasses.replace(options, worker=i), command, events))
+                procs[i].start()
+        done, errors = _collect(procs, events, on_event)
+    except KeyboardInterrupt as e:
+        _stop(procs, terminated=isinstance(e, Terminated))
+        raise
     failures = [f"worker {i} (pid {p.pid}) {errors.get(i) or _exit_text(p.exitcode)}"
                 for i, p in procs.items() if i not in done]
     results = _merge(representative_shapes(shapes), [r for _, rs in done.values() for r in rs])
@@ -164,37 +168,37 @@ def tune_workers(shapes: list[Shape], db_path, options: TuneOptions, workers: in
 
 def _collect(procs: dict, events, on_event) -> tuple[dict, dict]:
     done, errors = {}, {}
-    try:
-        while True:
-            try:
-                kind, worker, payload = events.get(timeout=0.5)
-            except queue.Empty:
-                if not [p for p in procs.values() if p.is_alive()]:  # (each polled: a dead one is reaped now)
-                    break
-                continue
-            if kind == "done":
-                done[worker] = payload
-            elif kind == "error":
-                errors[worker] = payload
-            elif on_event is not None:
-                on_event(kind, worker, payload)
-    except KeyboardInterrupt as e:
-        # Ctrl-C reached the workers too (the terminal signals the whole process group): let them
-        # record it. A SIGTERM may have reached this process alone: pass it on, each worker stops
-        # the same way. One that does not stop within 30 s is killed.
-        if isinstance(e, Terminated):
-            for p in procs.values():
-                if p.is_alive():
-                    p.terminate()
-        for p in procs.values():
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        raise
+    while True:
+        try:
+            kind, worker, payload = events.get(timeout=0.5)
+        except queue.Empty:
+            if not [p for p in procs.values() if p.is_alive()]:  # (each polled: a dead one is reaped now)
+                break
+            continue
+        if kind == "done":
+            done[worker] = payload
+        elif kind == "error":
+            errors[worker] = payload
+        elif on_event is not None:
+            on_event(kind, worker, payload)
     for p in procs.values():
         p.join()
     return done, errors
+
+
+def _stop(procs: dict, terminated: bool) -> None:
+    """This process was stopped. Ctrl-C reached the workers too (the terminal signals the whole
+    process group): let them record it. A SIGTERM may have reached this process alone: pass it on,
+    each worker stops the same way. One that does not stop within 30 s is killed."""
+    if terminated:
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+    for p in procs.values():
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 def _exit_text(code) -> str:

@@ -210,7 +210,7 @@ class Sandbox:
         """Stop the worker: asked to finish its task and exit (up to 5 s), or (now) killed at once."""
         if now:
             self.stop_now()
-        if self._proc is not None and self._proc.is_alive():
+        elif self._proc is not None and self._proc.is_alive():
             self._tasks.put(None)
             self._proc.join(timeout=5)
         self._kill()

@@ -89,6 +89,9 @@ COMPILE_SAMPLE = [
     (knobs(CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, PRODUCER_REGS=40), 64, torch.bfloat16, True),
     (knobs(NUM_CONSUMERS=3, CONSUMER_WARPGROUPS=1, BLOCK_M=64, CONSUMER_REGS=160, INTRA_OVERLAP=False,
            PERSISTENT=True), 64, torch.bfloat16, False),
+    # ... and causal: the default of d64 causal problems at 2k tokens and up.
+    (knobs(NUM_CONSUMERS=3, CONSUMER_WARPGROUPS=1, BLOCK_M=64, CONSUMER_REGS=160, INTRA_OVERLAP=False,
+           PERSISTENT=True), 64, torch.bfloat16, True),
     (knobs(BLOCK_N=64, NUM_STAGES=4), 64, torch.float16, True),
     (knobs(NUM_CONSUMERS=2, CONSUMER_WARPGROUPS=1, BLOCK_M=64, INTRA_OVERLAP=False, CONSUMER_REGS=200),
      128, torch.bfloat16, True),

@@ -37,6 +37,7 @@ class GateResult:
     sdpa_err: float  # SDPA's error on the same shapes
     lse_err: float
     detail: str = ""
+    refused: bool = False  # a vendor backend with no kernel for any gate shape: nothing was checked
 
 
 def gate_shapes(shape: Shape) -> list[Shape]:
@@ -74,7 +75,8 @@ def refused_by_vendor(kernel: Kernel, error: RuntimeError) -> bool:
 def _all_refused(worst: GateResult, checked: int) -> GateResult:
     if checked:
         return worst
-    return GateResult(False, math.inf, worst.sdpa_err, worst.lse_err, "the backend refused every gate shape")
+    return GateResult(False, math.inf, worst.sdpa_err, worst.lse_err, "the backend refused every gate shape",
+                      refused=True)
 
 
 def run_variant(kernel: Kernel, q, k, v, causal: bool, causal_offset: int, scale: float):

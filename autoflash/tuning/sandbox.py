@@ -27,7 +27,9 @@ from autoflash.tuning.timing import SDPA_BACKENDS, launch_callable, sdpa_callabl
 
 @dataclasses.dataclass
 class Outcome:
-    """What one candidate did. status: ok | wrong | compile_error | runtime_error | timeout | crashed | invalid."""
+    """What one candidate did. status: ok | wrong | unsupported | compile_error | runtime_error | timeout |
+    crashed | invalid. `unsupported`: a vendor backend that has no kernel for any of the problem's gate
+    shapes (torch's memory-efficient backend and GQA): not offered here, which is not a failure."""
 
     status: str
     ms: float = float("nan")
@@ -36,6 +38,9 @@ class Outcome:
     message: str = ""
     seconds: float = 0.0
 
+
+# The statuses of a candidate that was tried and failed (counted and reported as failures).
+FAILED_STATUSES = ("wrong", "compile_error", "runtime_error", "timeout", "crashed")
 
 _gate_cache: dict = {}
 
@@ -82,6 +87,8 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
         text = f"{type(e).__name__}: {e}"
         status = "compile_error" if _is_compile_error(e, text) else "runtime_error"
         return Outcome(status, message=_short(text), seconds=time.perf_counter() - t0)
+    if gate.refused:
+        return Outcome("unsupported", message=gate.detail, seconds=time.perf_counter() - t0)
     if not gate.passed:
         return Outcome("wrong", err=gate.err, sdpa_err=gate.sdpa_err, message=gate.detail,
                        seconds=time.perf_counter() - t0)

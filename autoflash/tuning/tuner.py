@@ -30,7 +30,7 @@ from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning import sandbox
 from autoflash.tuning.storage import make_storage
-from autoflash.tuning.sandbox import Outcome, Sandbox
+from autoflash.tuning.sandbox import FAILED_STATUSES, Outcome, Sandbox
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions, median
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.seeds import current_winners, read_shipped_winners, seed_variants, training_backward, training_forward
@@ -38,8 +38,6 @@ from autoflash.tuning.timing import tflops
 from autoflash.tuning.winner_rows import is_vendor, store_winner_rows, vendor_on_a_tie
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-
-FAILED_STATUSES = ("wrong", "compile_error", "runtime_error", "timeout", "crashed")
 
 
 def optuna_storage_path(db_path) -> str:
@@ -189,7 +187,7 @@ class Tuner:
                     _tell(study, trial, outcome.ms)
                     best = min(best, outcome.ms)
                 else:
-                    failed += 1
+                    failed += outcome.status in FAILED_STATUSES
                     _tell(study, trial, state=optuna.trial.TrialState.FAIL)
                 self.reporter.trial_done(measured, budget, variant, outcome, tflops(shape, best))
         return measured, failed

@@ -33,8 +33,6 @@ from autoflash.store import Store
 from autoflash.tuning.stopping import Terminated, sigterm_interrupts
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 
-FAILED = ("wrong", "compile_error", "runtime_error", "timeout", "crashed")
-
 
 def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Reporter | None = None,
               command: str = "") -> list[ProblemResult]:
@@ -226,6 +224,7 @@ def _with_db_counts(store: Store, gpu_keys: set, result: ProblemResult) -> Probl
     every worker's, not only the picking one's."""
     from autoflash import codegen
     from autoflash.space import families_for
+    from autoflash.tuning.sandbox import FAILED_STATUSES
 
     if not gpu_keys:
         return result
@@ -236,7 +235,7 @@ def _with_db_counts(store: Store, gpu_keys: set, result: ProblemResult) -> Probl
         [result.problem.key, *gpu_keys, *hashes]).fetchall()
     counts = dict(rows)
     measured = sum(n for status, n in counts.items() if status not in ("running", "pruned"))
-    failed = sum(counts.get(s, 0) for s in FAILED)
+    failed = sum(counts.get(s, 0) for s in FAILED_STATUSES)
     return dataclasses.replace(result, measured=measured, failed=failed)
 
 

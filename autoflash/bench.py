@@ -20,13 +20,14 @@ from autoflash.problem import Shape, geomean
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
 from autoflash.tuning.timing import (SDPA_BACKENDS, bench_ms, device_ms, if_it_runs, launch_callable, sdpa_callable,
                                      tflops, time_callable)
-from autoflash.space import Variant
+from autoflash.space import Variant, load_space
 
 
 @dataclasses.dataclass
 class BenchRow:
     shape: Shape
     ms: dict  # method -> median ms (NaN when the method refused the shape)
+    served: str = ""  # what the dispatched column ran (`served_by`): a cell at 1.00 may be the same kernel
 
     def tflops(self, method: str) -> float:
         return tflops(self.shape, self.ms.get(method, float("nan")))
@@ -255,6 +256,27 @@ def llama_generate(batch: int = 4, prompt: int = 1024, new_tokens: int = 128, ro
             "tokens_per_s": {impl: batch * new_tokens / statistics.median(t) for impl, t in seconds.items()}}
 
 
+def served_by(disp, shape: Shape, device, op: str) -> str:
+    """What `autoflash.attention` runs for `shape` (op 'fwd'), or for its training step (op 'bwd'):
+    an own kernel family's name, `sdpa-<backend>`, or a pair "forward + backward" whose halves are
+    each an own family or SDPA's (the own forward serves with an own backward)."""
+    def own(half_op: str) -> str:
+        return disp.variant_for(dataclasses.replace(shape, op=half_op).problem, device, own_only=True).family
+
+    variant = disp.variant_for(dataclasses.replace(shape, op=op).problem, device)
+    if not load_space(variant.family).vendor:
+        return variant.family if op != "bwd" else f"{own('fwd')} + {variant.family}"
+    knobs = variant.as_dict()
+    backend = f"sdpa-{knobs['BACKEND']}"
+    halves = [own(half_op) if knobs.get(half) == "autoflash" else backend
+              for half, half_op in (("FORWARD", "fwd"), ("BACKWARD", "bwd"))]
+    return backend if op != "bwd" or halves == [backend, backend] else " + ".join(halves)
+
+
+def _served_column(rows: list[BenchRow]) -> bool:
+    return any(r.served for r in rows)
+
+
 def fmt_tflops(x: float) -> str:
     """A TFLOP/s table cell: '-' when not measured, 2 significant digits when below 1."""
     if x != x:
@@ -278,24 +300,31 @@ def rich_table(rows: list[BenchRow], methods: list[str], title: str, base: str =
     for m in methods:
         if m != base:
             t.add_column(f"{m}\n/ {base}", justify="right")
+    served = _served_column(rows)
+    if served:
+        t.add_column("autoflash\nserves")
     for r in rows:
         t.add_row(r.shape.label(), *(fmt_tflops(r.tflops(m)) for m in methods),
-                  *(f"{r.ratio(m, base):.2f}" for m in methods if m != base))
+                  *(f"{r.ratio(m, base):.2f}" for m in methods if m != base), *([r.served] if served else []))
     s = summary(rows, methods, base)
     t.add_row("[bold]geomean[/]", *(f"[bold]{fmt_tflops(s[m][0])}[/]" for m in methods),
-              *(f"[bold]{s[m][1]:.3f}[/]" for m in methods if m != base))
+              *(f"[bold]{s[m][1]:.3f}[/]" for m in methods if m != base), *([""] if served else []))
     return t
 
 
 def markdown_table(rows: list[BenchRow], methods: list[str], base: str = "sdpa_cudnn") -> str:
-    head = ["shape", *(f"{m} TFLOP/s" for m in methods), *(f"{m}/{base}" for m in methods if m != base)]
+    served = _served_column(rows)
+    head = ["shape", *(f"{m} TFLOP/s" for m in methods), *(f"{m}/{base}" for m in methods if m != base),
+            *(["autoflash serves"] if served else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([r.shape.label(), *(fmt_tflops(r.tflops(m)) for m in methods),
-                                         *(f"{r.ratio(m, base):.2f}" for m in methods if m != base)]) + " |")
+                                         *(f"{r.ratio(m, base):.2f}" for m in methods if m != base),
+                                         *([r.served] if served else [])]) + " |")
     s = summary(rows, methods, base)
     lines.append("| **geomean** | " + " | ".join([*(f"**{fmt_tflops(s[m][0])}**" for m in methods),
-                                                 *(f"**{s[m][1]:.3f}**" for m in methods if m != base)]) + " |")
+                                                 *(f"**{s[m][1]:.3f}**" for m in methods if m != base),
+                                                 *([""] if served else [])]) + " |")
     return "\n".join(lines)
 
 
@@ -326,7 +355,8 @@ IMPL_NAMES = {"autoflash": "autoflash", "default": "autoflash-default", "baselin
 
 def json_rows(rows: list[BenchRow], methods: list[str], metric: str, device) -> list[dict]:
     """One row per (shape, implementation): the shape's fields, `impl`, `metric` (TFLOP/s, null
-    where the implementation refused the shape), and the device and versions it was measured on."""
+    where the implementation refused the shape), and the device and versions it was measured on; the
+    dispatched implementation's rows also say what it ran (`served`)."""
     out = []
     for r in rows:
         shape = dataclasses.asdict(r.shape)
@@ -334,5 +364,6 @@ def json_rows(rows: list[BenchRow], methods: list[str], metric: str, device) -> 
         for m in methods:
             tf = r.tflops(m)
             out.append({**shape, "impl": IMPL_NAMES.get(m, m), metric: float(f"{tf:.4g}") if math.isfinite(tf) else None,
-                        "gpu": device.name, "torch": device.torch_version, "triton": device.triton_version})
+                        "gpu": device.name, "torch": device.torch_version, "triton": device.triton_version,
+                        **({"served": r.served} if m == "autoflash" and r.served else {})})
     return out

@@ -173,6 +173,9 @@ def test_bench_interpret_runs_the_pipeline(tmp_path):
     lines = md.read_text().splitlines()
     assert lines[0].startswith("| shape | autoflash TFLOP/s | autoflash-own TFLOP/s | default TFLOP/s")
     assert len(lines) == 2 + 4 + 1  # header, 4 tiny shapes, geomean
+    # what the dispatched column ran: no DB here, so each shape's default own family
+    assert lines[0].endswith("| autoflash serves |")
+    assert all(line.split("|")[-2].strip() == "triton_fwd" for line in lines[2:-1])
     assert (tmp_path / "b.png").stat().st_size > 1000
 
 
@@ -192,9 +195,10 @@ def test_bench_baseline_template_times_the_same_variant_from_another_template(tm
     assert r.exit_code == 0, r.output
     lines = md.read_text().splitlines()
     assert lines[0] == ("| shape | autoflash TFLOP/s | autoflash-own TFLOP/s | default TFLOP/s | baseline TFLOP/s "
-                        "| autoflash/baseline | autoflash-own/baseline | default/baseline |")
+                        "| autoflash/baseline | autoflash-own/baseline | default/baseline | autoflash serves |")
     # backward problems are timed as forward + backward, as the tuner times them
     assert len(lines) == 2 + 4 + 1 and all(line.startswith("| fwdbwd ") for line in lines[2:6])
+    assert all(line.endswith("| triton_fwd + triton_bwd |") for line in lines[2:6])  # a training step's pair
     rendered = [p.read_text() for p in pathlib.Path(os.environ["AUTOFLASH_KERNEL_CACHE"]).glob("triton_bwd_*.py")]
     assert any("baseline-marker" in text for text in rendered)  # really rendered from the other file
 
@@ -322,6 +326,7 @@ def test_bench_json_has_one_row_per_shape_and_implementation(tmp_path):
     assert len(rows) == 3 * len(shapes) and {x["impl"] for x in rows} == {"autoflash", "autoflash-own", "autoflash-default"}
     assert all(x["fwd_tflops"] is None or x["fwd_tflops"] > 0 for x in rows)
     assert {"dtype", "heads_kv", "seqlen_k", "gpu", "triton"} <= set(rows[0])
+    assert all(("served" in x) == (x["impl"] == "autoflash") for x in rows)
 
 
 @pytest.mark.interpreter

@@ -91,6 +91,13 @@ def test_an_sdpa_winner_is_dispatched_and_the_own_one_is_kept_for_calls_that_nee
     assert rel_error(plan(q, k, v), ref) < 1e-5
 
 
+def test_bench_says_an_sdpa_winner_serves(vendor_winners):
+    from autoflash.bench import served_by
+
+    for op in ("fwd", "bwd"):  # the forward, and SDPA's whole pair for training
+        assert served_by(get_dispatcher(), SHAPE, DEVICE, op) == "sdpa-flash"
+
+
 def test_a_causal_mask_aligned_bottom_right_goes_to_the_own_kernel(vendor_winners):
     q, k, v = _inputs(nq=24)  # flash_attn_func: query i sees keys j <= i + (40 - 24)
     out = autoflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)

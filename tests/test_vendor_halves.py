@@ -259,3 +259,15 @@ def test_a_vendor_row_of_the_earlier_space_file_is_still_served(tmp_path):
     assert table.lookup(problem) == (pair_variant("flash", "sdpa", "sdpa"), "exact")
     assert table.lookup(problem, own_only=True) == (own, "exact")
     assert codegen.family_for_hash("bwd", earlier) is None  # (a shipped DB must be re-keyed: see test_dispatch)
+
+
+@pytest.mark.parametrize("half_sdpa_winner", HALVES, indirect=True)
+def test_bench_names_both_halves_of_the_served_pair(half_sdpa_winner):
+    from autoflash.bench import served_by
+    from autoflash.dispatch import get_dispatcher
+
+    forward, backward = half_sdpa_winner
+    own_forward = default_variant("fwd", Shape(**{**SHAPE.__dict__, "op": "fwd"}).problem, DEVICE).family
+    expected = "sdpa-flash + triton_bwd" if forward == "sdpa" else f"{own_forward} + sdpa-flash"
+    assert served_by(get_dispatcher(), SHAPE, DEVICE, "bwd") == expected
+    assert served_by(get_dispatcher(), SHAPE, DEVICE, "fwd") == own_forward  # (no forward winner stored)

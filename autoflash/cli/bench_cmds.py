@@ -66,6 +66,7 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, j
     with console.status("benchmarking forward+backward") as status:
         rows, peaks = bench_mod.run_fwdbwd(shape_list, rounds=rounds, memory=memory,
                                            progress=lambda label: status.update(f"benchmarking {label}"))
+    _say_served(bench_mod, rows, shape_list, device, "bwd")
     methods = ["autoflash", "autoflash-own", "sdpa_cudnn", "sdpa_flash"]
     title = f"forward+backward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
     console.print(bench_mod.rich_table(rows, methods, title))
@@ -79,6 +80,15 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, j
             mt.add_row(label, *(f"{gib[m]:.2f}" for m in methods), f"{gib['autoflash'] / gib['sdpa_flash']:.3f}")
         console.print(mt)
     _save(bench_mod, rows, methods, title, md_path, plot_path, json_path=json_path, metric="fwdbwd_tflops")
+
+
+def _say_served(bench_mod, rows, shape_list, device, op):
+    """Each row's dispatched implementation, for its table column (rows and shapes in one order)."""
+    from autoflash.dispatch import get_dispatcher
+
+    disp = get_dispatcher()
+    for row, shape in zip(rows, shape_list, strict=True):
+        row.served = bench_mod.served_by(disp, shape, device, op)
 
 
 def _decode(device, rounds, interpret, md_path, json_path):
@@ -137,6 +147,7 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
     with console.status("benchmarking") as status:
         rows = bench_mod.run_bench(shape_list, choosers, rounds=rounds, device="cpu" if interpret else "cuda",
                                    progress=lambda label: status.update(f"benchmarking {label}"), templates=templates)
+    _say_served(bench_mod, rows, shape_list, device, op)
     methods = list(choosers) + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
     base = "baseline" if baseline_template else "default" if interpret else "sdpa_cudnn"
     title = (f"{'forward' if op == 'fwd' else 'backward problems (forward + backward)'} TFLOP/s on {device.name}, torch {device.torch_version}, "

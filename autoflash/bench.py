@@ -20,7 +20,7 @@ from autoflash.problem import Shape, geomean
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
 from autoflash.tuning.timing import (SDPA_BACKENDS, bench_ms, device_ms, if_it_runs, launch_callable, sdpa_callable,
                                      tflops, time_callable)
-from autoflash.space import Variant, load_space
+from autoflash.space import InvalidVariant, Variant, load_space
 
 
 @dataclasses.dataclass
@@ -259,11 +259,19 @@ def llama_generate(batch: int = 4, prompt: int = 1024, new_tokens: int = 128, ro
 def served_by(disp, shape: Shape, device, op: str) -> str:
     """What `autoflash.attention` runs for `shape` (op 'fwd'), or for its training step (op 'bwd'):
     an own kernel family's name, `sdpa-<backend>`, or a pair "forward + backward" whose halves are
-    each an own family or SDPA's (the own forward serves with an own backward)."""
+    each an own family or SDPA's (the own forward serves with an own backward); "torch SDPA
+    (fallback)" where no own kernel takes the shape (the API falls back to torch SDPA there)."""
     def own(half_op: str) -> str:
         return disp.variant_for(dataclasses.replace(shape, op=half_op).problem, device, own_only=True).family
 
-    variant = disp.variant_for(dataclasses.replace(shape, op=op).problem, device)
+    try:
+        variant = disp.variant_for(dataclasses.replace(shape, op=op).problem, device)
+        return _served_name(variant, op, own)
+    except InvalidVariant:
+        return "torch SDPA (fallback)"
+
+
+def _served_name(variant: Variant, op: str, own: Callable[[str], str]) -> str:
     if not load_space(variant.family).vendor:
         return variant.family if op != "bwd" else f"{own('fwd')} + {variant.family}"
     knobs = variant.as_dict()

@@ -316,6 +316,29 @@ def test_store_queries_answer_what_the_cli_shows(tmp_path):
     holder.close()
 
 
+def test_bench_says_torch_sdpa_serves_a_shape_no_own_kernel_takes(monkeypatch):
+    """Head dim 512: no own variant is valid; the API answers with torch SDPA, and the bench says so."""
+    import warnings
+
+    import torch
+
+    import autoflash
+    from autoflash.bench import served_by
+    from autoflash.device import gpu_fingerprint
+    from autoflash.dispatch import get_dispatcher
+    from autoflash.problem import Shape
+
+    monkeypatch.delenv("AUTOFLASH_STRICT", raising=False)
+    shape = Shape(batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16, head_dim=512, causal=True, dtype="float32")
+    q = torch.randn(1, 2, 16, 512)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = autoflash.attention(q, q, q, is_causal=True)
+    assert any("fall" in str(w.message).lower() for w in caught) and out.shape == q.shape
+    for op in ("fwd", "bwd"):
+        assert served_by(get_dispatcher(), shape, gpu_fingerprint(), op) == "torch SDPA (fallback)"
+
+
 @pytest.mark.interpreter
 def test_bench_json_has_one_row_per_shape_and_implementation(tmp_path):
     out = tmp_path / "bench.json"

@@ -99,6 +99,13 @@ def _check_numbers(dropout_p, scale, scale_name: str) -> None:
         raise ValueError(f"{scale_name} must be a finite number or None, got {scale!r}")
 
 
+def unsupported_head_dim(d: int) -> str | None:
+    """Why the kernels cannot take this head dim (the call falls back to torch SDPA), or None."""
+    if d > MAX_HEAD_DIM or d % 8:
+        return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
+    return None
+
+
 def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
     """Why the kernels cannot take this (valid) call, or None when they can."""
     if scale is not None and not float(scale) > 0:
@@ -119,8 +126,8 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
     d, dv = q.shape[-1], v.shape[-1]
     if dv != d:
         return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
-    if d > MAX_HEAD_DIM or d % 8:
-        return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
+    if unsupported_head_dim(d):
+        return unsupported_head_dim(d)
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor (zero batch, heads, sequence or head dim)"
     return None

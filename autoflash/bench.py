@@ -8,6 +8,7 @@ them, host time included (`bench_ms`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -18,6 +19,7 @@ import torch
 from autoflash import codegen
 from autoflash.problem import Shape, geomean
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
+from autoflash.tuning import gate
 from autoflash.tuning.timing import (SDPA_BACKENDS, bench_ms, device_ms, if_it_runs, launch_callable, sdpa_callable,
                                      tflops, time_callable)
 from autoflash.space import InvalidVariant, Variant, load_space
@@ -45,9 +47,12 @@ def _variant_fn(variant: Variant, shape: Shape, q, k, v, template_file=None) -> 
 
 def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,
               rep_ms: float = 50, sdpa: tuple = SDPA_BACKENDS, progress: Callable[[str], None] | None = None,
-              device: str = "cuda", templates: dict[str, str] | None = None) -> list[BenchRow]:
+              device: str = "cuda", templates: dict[str, str] | None = None,
+              pair_halves: Callable[[Shape], tuple[Variant, Variant]] | None = None) -> list[BenchRow]:
     """Time each named variant chooser and each SDPA backend on every shape: the forward, or for a
-    backward shape forward + backward as the tuner times a backward problem (rows say op "fwdbwd"). templates: method name -> a template file to render that method's
+    backward shape forward + backward as the tuner times a backward problem (rows say op "fwdbwd"):
+    after the own forward `pair_halves(shape)` names (and, for a pair with an SDPA forward, with its
+    own backward; None: the defaults). templates: method name -> a template file to render that method's
     variants from instead of the package's. device='cpu' (the Triton interpreter) times one call by
     wall clock and skips SDPA: a pipeline check, not performance."""
     rows = []
@@ -55,8 +60,10 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
         if progress:
             progress(shape.label())
         q, k, v = make_inputs(shape, device, seed=7)
-        fns = {name: _variant_fn(choose(shape), shape, q, k, v, (templates or {}).get(name))
-               for name, choose in variants.items()}
+        halves = pair_halves(shape) if shape.op == "bwd" and pair_halves is not None else (None, None)
+        with _training_halves(*halves):  # (read when each pair is built)
+            fns = {name: _variant_fn(choose(shape), shape, q, k, v, (templates or {}).get(name))
+                   for name, choose in variants.items()}
         for backend in sdpa if device == "cuda" else ():
             fn = sdpa_callable(backend, shape, q, k, v, backward=shape.op == "bwd")
             if fn is not None:
@@ -64,15 +71,26 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
         for fn in fns.values():
             fn()  # first call: kernel load (and, in the interpreter, its one-time set-up)
         samples = {name: [] for name in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                samples[name].append(time_callable(fn, q.device, rep_ms))
+        for r in range(rounds):
+            for name in alternating(tuple(fns), r):
+                samples[name].append(time_callable(fns[name], q.device, rep_ms))
         ms = {name: statistics.median(s) for name, s in samples.items()}
         for backend in sdpa:
             ms.setdefault(f"sdpa_{backend}", float("nan"))
         rows.append(BenchRow(dataclasses.replace(shape, op="fwdbwd") if shape.op == "bwd" else shape, ms))
         del q, k, v
     return rows
+
+
+@contextlib.contextmanager
+def _training_halves(forward: Variant | None, backward: Variant | None):
+    """The own halves a backward variant is timed with (`gate.candidate_pair`), for the moment."""
+    saved = gate.training_forward, gate.training_backward
+    gate.training_forward, gate.training_backward = forward, backward
+    try:
+        yield
+    finally:
+        gate.training_forward, gate.training_backward = saved
 
 
 def _fwdbwd_fn(method: str, shape: Shape, q, k, v, grad) -> Callable[[], None] | None:
@@ -261,14 +279,23 @@ def served_by(disp, shape: Shape, device, op: str) -> str:
     an own kernel family's name, `sdpa-<backend>`, or a pair "forward + backward" whose halves are
     each an own family or SDPA's (the own forward serves with an own backward); "torch SDPA
     (fallback)" where no own kernel takes the shape (the API falls back to torch SDPA there)."""
-    def own(half_op: str) -> str:
-        return disp.variant_for(dataclasses.replace(shape, op=half_op).problem, device, own_only=True).family
+    from autoflash.api import unsupported_head_dim
 
+    def own(half_op: str) -> str:
+        return served_own_half(disp, shape, device, half_op).family
+
+    if unsupported_head_dim(shape.head_dim):
+        return "torch SDPA (fallback)"
     try:
         variant = disp.variant_for(dataclasses.replace(shape, op=op).problem, device)
         return _served_name(variant, op, own)
     except InvalidVariant:
         return "torch SDPA (fallback)"
+
+
+def served_own_half(disp, shape: Shape, device, op: str) -> Variant:
+    """The own kernel a training step pairs with the other half (the own winner, else the default)."""
+    return disp.variant_for(dataclasses.replace(shape, op=op).problem, device, own_only=True)
 
 
 def _served_name(variant: Variant, op: str, own: Callable[[str], str]) -> str:

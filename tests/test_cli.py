@@ -179,6 +179,36 @@ def test_bench_interpret_runs_the_pipeline(tmp_path):
     assert (tmp_path / "b.png").stat().st_size > 1000
 
 
+@pytest.mark.interpreter
+def test_the_backward_bench_times_each_pair_after_the_forward_a_training_step_serves(tmp_path):
+    """`bench --op bwd` times forward + backward as the tuner does: after the own forward that serves
+    (here one that is not the default), which is rendered and run; the tuner's globals are restored."""
+    from autoflash import bench, codegen
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Shape
+    from autoflash.space import default_variant, load_space
+    from autoflash.tuning import gate
+
+    device = gpu_fingerprint()
+    shape = Shape(batch=1, heads_q=2, heads_kv=2, seqlen_q=37, seqlen_k=37, head_dim=16, causal=True,
+                  dtype="float32", op="bwd")
+    fwd_problem = Shape(**{**shape.__dict__, "op": "fwd"}).problem
+    default_fwd = default_variant("fwd", fwd_problem, device)
+    served_fwd = next(v for v in load_space("fwd").valid_variants(fwd_problem, device) if v != default_fwd)
+    assert not codegen.source_path(served_fwd).exists()
+    seen = []
+
+    def choose(s):
+        seen.append(gate.training_forward)
+        return default_variant("bwd", s.problem, device)
+
+    rows = bench.run_bench([shape], {"autoflash": choose}, rounds=1, device="cpu",
+                           pair_halves=lambda s: (served_fwd, None))
+    assert seen == [served_fwd] and rows[0].shape.op == "fwdbwd" and rows[0].ms["autoflash"] > 0
+    assert codegen.source_path(served_fwd).exists()  # rendered: the pair ran after it
+    assert gate.training_forward is None and gate.training_backward is None
+
+
 def test_bench_baseline_template_times_the_same_variant_from_another_template(tmp_path):
     """An A/B of a template edit: the backward variants rendered from a second template file."""
     import os
@@ -323,12 +353,14 @@ def test_bench_says_torch_sdpa_serves_a_shape_no_own_kernel_takes(monkeypatch):
     import torch
 
     import autoflash
+    from autoflash import api
     from autoflash.bench import served_by
     from autoflash.device import gpu_fingerprint
     from autoflash.dispatch import get_dispatcher
     from autoflash.problem import Shape
 
     monkeypatch.delenv("AUTOFLASH_STRICT", raising=False)
+    api.reset()  # (a fallback warns once per reason and process)
     shape = Shape(batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16, head_dim=512, causal=True, dtype="float32")
     q = torch.randn(1, 2, 16, 512)
     with warnings.catch_warnings(record=True) as caught:

@@ -246,3 +246,17 @@ def test_device_time_agrees_with_do_bench_on_a_long_kernel():
     ratio = device_ms(lambda: a @ a, rep_ms=100) / bench_ms(lambda: a @ a, rep_ms=100)
     assert 0.8 < ratio < 1.25, ratio
 
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_a_backend_without_a_kernel_for_the_problem_is_unsupported_not_a_failure(op):
+    """torch's memory-efficient backend refuses K/V with fewer heads (GQA): its candidate is recorded
+    as not offered for the problem, not as a wrong kernel or a failure of the search."""
+    from autoflash.tuning.sandbox import FAILED_STATUSES, evaluate_variant
+
+    shape = Shape(batch=1, heads_q=4, heads_kv=1, seqlen_q=256, seqlen_k=256, head_dim=64, causal=True,
+                  dtype="bfloat16", op=op)
+    knobs = {"BACKEND": "efficient"} if op == "fwd" else {"BACKEND": "efficient", "FORWARD": "sdpa", "BACKWARD": "sdpa"}
+    variant = load_space(f"sdpa_{op}").check_declared(knobs)
+    outcome = evaluate_variant(variant.json(), f"sdpa_{op}", shape, rep_ms=1, device_str="cuda")
+    assert outcome.status == "unsupported" and "refused every gate shape" in outcome.message
+    assert outcome.status not in FAILED_STATUSES

@@ -144,3 +144,30 @@ def test_runs_left_running_by_a_dead_process_are_marked_interrupted(tmp_path):
     assert store.mark_dead_runs() == 1
     status = {r["id"]: r["status"] for r in store.db["runs"].rows}
     assert status == {alive: "running", dead: "interrupted", other_host: "running"}
+
+
+def test_a_worker_counts_an_unsupported_vendor_backend_as_measured_not_failed(tmp_path):
+    """The per-problem counts a multi-worker tune reports are read back from the DB: a candidate the
+    backend has no kernel for ('unsupported') was measured, but it is no failure; a wrong one is."""
+    import dataclasses
+    import json
+
+    from autoflash import codegen
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Shape
+    from autoflash.tuning.results import ProblemResult
+    from autoflash.tuning.workers import _with_db_counts
+
+    device = gpu_fingerprint()
+    shape = Shape(batch=1, heads_q=4, heads_kv=1, seqlen_q=64, seqlen_k=64, head_dim=64, causal=True, dtype="float16")
+    store = Store(tmp_path / "t.db")
+    store.add_gpu(device)
+    run = store.start_run(device.key, "test")
+    for family, status in (("sdpa_fwd", "ok"), ("sdpa_fwd", "unsupported"), ("triton_fwd", "ok"), ("triton_fwd", "wrong")):
+        store.add_trial(run_id=run, gpu_key=device.key, problem=shape.problem, template_hash=codegen.template_hash(family),
+                        variant_json=json.dumps({"status": status}), status=status)
+    result = ProblemResult(shape, shape.problem, None, {}, 0.0, measured=0, failed=0, status="tuned")
+    counted = _with_db_counts(store, {device.key}, result)
+    assert (counted.measured, counted.failed) == (4, 1)
+    assert dataclasses.replace(counted, measured=0, failed=0) == result
+    store.close()

@@ -261,6 +261,7 @@ def test_a_vendor_row_of_the_earlier_space_file_is_still_served(tmp_path):
     assert codegen.family_for_hash("bwd", earlier) is None  # (a shipped DB must be re-keyed: see test_dispatch)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("half_sdpa_winner", HALVES, indirect=True)
 def test_bench_names_both_halves_of_the_served_pair(half_sdpa_winner):
     from autoflash.bench import served_by

@@ -146,7 +146,9 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
         templates = {"baseline": baseline_template}
     with console.status("benchmarking") as status:
         rows = bench_mod.run_bench(shape_list, choosers, rounds=rounds, device="cpu" if interpret else "cuda",
-                                   progress=lambda label: status.update(f"benchmarking {label}"), templates=templates)
+                                   progress=lambda label: status.update(f"benchmarking {label}"), templates=templates,
+                                   pair_halves=lambda s: tuple(bench_mod.served_own_half(disp, s, device, half)
+                                                               for half in ("fwd", "bwd")))
     _say_served(bench_mod, rows, shape_list, device, op)
     methods = list(choosers) + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
     base = "baseline" if baseline_template else "default" if interpret else "sdpa_cudnn"

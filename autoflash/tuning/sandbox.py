@@ -28,7 +28,7 @@ from autoflash.tuning.timing import SDPA_BACKENDS, launch_callable, sdpa_callabl
 @dataclasses.dataclass
 class Outcome:
     """What one candidate did. status: ok | wrong | unsupported | compile_error | runtime_error | timeout |
-    crashed | invalid. `unsupported`: a vendor backend that has no kernel for any of the problem's gate
+    crashed. `unsupported`: a vendor backend that has no kernel for any of the problem's gate
     shapes (torch's memory-efficient backend and GQA): not offered here, which is not a failure."""
 
     status: str

@@ -126,8 +126,8 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
     d, dv = q.shape[-1], v.shape[-1]
     if dv != d:
         return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
-    if unsupported_head_dim(d):
-        return unsupported_head_dim(d)
+    if reason := unsupported_head_dim(d):
+        return reason
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor (zero batch, heads, sequence or head dim)"
     return None

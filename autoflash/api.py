@@ -19,10 +19,10 @@ from autoflash import decode_kernels
 from autoflash.kernel_cache import KernelCacheError
 from autoflash.device import interpreter_enabled, interpreter_numpy_problem
 from autoflash.dispatch import get_dispatcher
+from autoflash.problem import unsupported_head_dim
 from autoflash.reference import sdpa_attention
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 
 
 class FallbackWarning(UserWarning):
@@ -97,13 +97,6 @@ def _check_numbers(dropout_p, scale, scale_name: str) -> None:
         raise ValueError(f"{scale_name} must be a finite number or None, got {scale!r}")
     if not math.isfinite(value):
         raise ValueError(f"{scale_name} must be a finite number or None, got {scale!r}")
-
-
-def unsupported_head_dim(d: int) -> str | None:
-    """Why the kernels cannot take this head dim (the call falls back to torch SDPA), or None."""
-    if d > MAX_HEAD_DIM or d % 8:
-        return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
-    return None
 
 
 def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from autoflash import codegen
-from autoflash.problem import Shape, geomean
+from autoflash.problem import Shape, geomean, unsupported_head_dim
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
 from autoflash.tuning import gate
 from autoflash.tuning.timing import (SDPA_BACKENDS, bench_ms, device_ms, if_it_runs, launch_callable, sdpa_callable,
@@ -279,8 +279,6 @@ def served_by(disp, shape: Shape, device, op: str) -> str:
     an own kernel family's name, `sdpa-<backend>`, or a pair "forward + backward" whose halves are
     each an own family or SDPA's (the own forward serves with an own backward); "torch SDPA
     (fallback)" where no own kernel takes the shape (the API falls back to torch SDPA there)."""
-    from autoflash.api import unsupported_head_dim
-
     def own(half_op: str) -> str:
         return served_own_half(disp, shape, device, half_op).family
 
@@ -308,10 +306,6 @@ def _served_name(variant: Variant, op: str, own: Callable[[str], str]) -> str:
     return backend if op != "bwd" or halves == [backend, backend] else " + ".join(halves)
 
 
-def _served_column(rows: list[BenchRow]) -> bool:
-    return any(r.served for r in rows)
-
-
 def fmt_tflops(x: float) -> str:
     """A TFLOP/s table cell: '-' when not measured, 2 significant digits when below 1."""
     if x != x:
@@ -335,7 +329,7 @@ def rich_table(rows: list[BenchRow], methods: list[str], title: str, base: str =
     for m in methods:
         if m != base:
             t.add_column(f"{m}\n/ {base}", justify="right")
-    served = _served_column(rows)
+    served = any(r.served for r in rows)  # (a column only where it was filled in)
     if served:
         t.add_column("autoflash\nserves")
     for r in rows:
@@ -348,7 +342,7 @@ def rich_table(rows: list[BenchRow], methods: list[str], title: str, base: str =
 
 
 def markdown_table(rows: list[BenchRow], methods: list[str], base: str = "sdpa_cudnn") -> str:
-    served = _served_column(rows)
+    served = any(r.served for r in rows)  # (a column only where it was filled in)
     head = ["shape", *(f"{m} TFLOP/s" for m in methods), *(f"{m}/{base}" for m in methods if m != base),
             *(["autoflash serves"] if served else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -24,6 +24,7 @@ from autoflash.api import FallbackError, FallbackWarning  # noqa: F401 (re-expor
 from autoflash.decode_kernels import launch
 from autoflash.decode_validate import validate_kvcache
 from autoflash.device import interpreter_enabled
+from autoflash.problem import unsupported_head_dim
 from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
 
 
@@ -47,10 +48,7 @@ def _unsupported_reason(q: torch.Tensor) -> str | None:
         return f"{q.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)"
     if interpreter_enabled() and q.dtype == torch.bfloat16:
         return "bfloat16 is not computed correctly by Triton's CPU interpreter"
-    d = q.shape[-1]
-    if d > api.MAX_HEAD_DIM or d % 8:
-        return f"head dim {d} is not supported (multiples of 8 up to {api.MAX_HEAD_DIM} are)"
-    return None
+    return unsupported_head_dim(q.shape[-1])
 
 
 def _append(k_cache, v_cache, k, v, seqlens, block_table) -> None:

@@ -19,12 +19,20 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 SEQLEN_BUCKET_MIN = 16
 SEQLEN_BUCKET_MAX = 1 << 20
 HEAD_DIM_MAX = 1 << 16  # far above any kernel's limit (the API falls back above 256): larger is a corrupt row
+MAX_HEAD_DIM = 256  # the largest head dim the kernels take (the API falls back to torch SDPA above)
 GQA_GROUP_MAX = 1 << 16
 # The occupancy bucket: log2 of the tiles of parallel work per SM (see `work_bucket`).
 WORK_TILE_ROWS = 128
 WORK_MIN, WORK_MAX = -6, 10
 _KEY = re.compile(r"(?P<op>[a-z]+)/(?P<dtype>[a-z0-9]+)/d(?P<d>-?\d+)/(?P<c>causal|full)/g(?P<g>-?\d+)"
                   r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?(?:/p(?P<p>-?\d+))?")
+
+
+def unsupported_head_dim(d: int) -> str | None:
+    """Why the kernels cannot take this head dim (a call falls back to torch SDPA), or None."""
+    if d > MAX_HEAD_DIM or d % 8:
+        return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
+    return None
 
 
 def _check_int(name: str, value, low: int, high: int, power_of_two: bool = False) -> None:

@@ -11,11 +11,9 @@ import tomllib
 import click
 from rich.console import Console
 
-from autoflash.problem import DTYPES, Problem, seqlen_bucket
+from autoflash.problem import DTYPES, MAX_HEAD_DIM, OPS, Problem, seqlen_bucket
 
 console = Console()
-MAX_HEAD_DIM = 256  # autoflash.api.MAX_HEAD_DIM (not imported: api imports torch)
-OPS = ("fwd", "bwd", "decode")
 
 
 # --------------------------------------------------------------------------- errors

@@ -25,6 +25,11 @@ calling the module, which stays correct. What the check cannot see, and the cont
 module therefore is: its launch depends on its tensors' shapes, strides, dtypes and device and on
 its scalar arguments, never on tensor values read on the host (a replay would freeze them).
 A call whose tensors alias one another (q is k) is not bound.
+
+Streams: a launch the module makes on a stream other than the caller's (the backward's dK/dV kernels
+beside its dQ kernel) is replayed on that same stream, with the module's ordering contract: each run
+of such launches starts by waiting for the caller's stream (what was launched before it), and the
+call ends with the caller's stream waiting for every other stream it used.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import dataclasses
 import inspect
 import os
 import threading
+import typing
 
 import torch
 
@@ -52,12 +58,15 @@ def bind(module, run, tensors: tuple, outputs: tuple[int, ...], before_launch=No
     module_jits = [f for f in vars(module).values() if isinstance(f, JITFunction)]
     records = []
     recording_thread = threading.get_ident()
+    device = tensors[0].device
+    caller = torch.cuda.current_stream(device)
 
     def recorder(jit):
         def record(*args, **kwargs):  # (Triton's keyword-only grid/warmup: taken as they come)
             compiled = JITFunction.run(jit, *args, **kwargs)
             if threading.get_ident() == recording_thread:  # (another thread's launch of this module is not ours)
-                records.append((jit, args, kwargs, compiled))
+                stream = torch.cuda.current_stream(device)
+                records.append((jit, args, kwargs, compiled, None if stream == caller else stream))
             return compiled
         return record
 
@@ -96,6 +105,17 @@ class _NotBindable(Exception):
     pass
 
 
+class _Launch(typing.NamedTuple):
+    grid: tuple[int, int, int]
+    run: object  # the compiled binary's launcher
+    function: object
+    metadata: object
+    values: list  # the arguments as recorded, None where `fills` makes them per call
+    fills: list  # (position, fill(tensors, scratch))
+    global_scratch: bool  # in-kernel TMA descriptors: Triton's allocator gives scratch at each launch
+    stream: torch.cuda.Stream | None  # None: the caller's
+
+
 class _Plan:
     """The recorded launches with each argument slot marked: constant, call tensor, scratch."""
 
@@ -110,11 +130,11 @@ class _Plan:
         self._scratch_of: dict[int, tuple[int, int]] = {}  # storage -> (index, id of its tensor)
         self._storages = [t.untyped_storage().data_ptr() for t in tensors]
         self.launches = [self._launch_of(record, tensors) for record in records]
-        # (kernels with in-kernel TMA descriptors get global scratch from Triton's allocator)
-        self.before_launch = before_launch if any(launch[-1] for launch in self.launches) else None
+        self.before_launch = before_launch if any(launch.global_scratch for launch in self.launches) else None
+        self.side_streams = list(dict.fromkeys(launch.stream for launch in self.launches if launch.stream is not None))
 
-    def _launch_of(self, record, tensors):
-        jit, args, kwargs, compiled = record
+    def _launch_of(self, record, tensors) -> _Launch:
+        jit, args, kwargs, compiled, stream = record
         if compiled is None or not hasattr(compiled, "run") or hasattr(compiled, "result"):
             raise _NotBindable("no compiled binary")
         names = [p.name for p in jit.params]
@@ -131,8 +151,8 @@ class _Plan:
             if fill is not None:
                 fills.append((pos, fill))
                 values[pos] = None  # (the plan must not keep the recorded call's tensors alive)
-        return (g0, g1, g2, compiled.run, compiled.function, compiled.packed_metadata, values, fills,
-                bool(getattr(compiled.metadata, "global_scratch_size", 0)))
+        return _Launch((g0, g1, g2), compiled.run, compiled.function, compiled.packed_metadata, values, fills,
+                       bool(getattr(compiled.metadata, "global_scratch_size", 0)), stream)
 
     def _fill_of(self, value, tensors):
         """How to produce this argument at replay time from (new tensors, new scratch); None: as recorded."""
@@ -183,12 +203,26 @@ class _Plan:
     def _replay(self, tensors, scratch) -> None:
         if self.before_launch is not None:
             self.before_launch()
-        stream = torch._C._cuda_getCurrentRawStream(tensors[0].device.index)
-        for g0, g1, g2, run, function, metadata, values, fills, _ in self.launches:
-            args = list(values)
-            for pos, fill in fills:
+        index = tensors[0].device.index
+        caller_raw = torch._C._cuda_getCurrentRawStream(index)
+        caller = torch.cuda.current_stream(index) if self.side_streams else None  # (host time: only when needed)
+        running_on = None  # the other stream of the run of launches in progress
+        for launch in self.launches:
+            args = list(launch.values)
+            for pos, fill in launch.fills:
                 args[pos] = fill(tensors, scratch)
-            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+            if launch.stream is None:
+                running_on = None
+                launch.run(*launch.grid, caller_raw, launch.function, launch.metadata, None, None, None, *args)
+                continue
+            if running_on is not launch.stream:  # a run of launches on another stream starts after the caller's work
+                launch.stream.wait_stream(caller)
+                running_on = launch.stream
+            with torch.cuda.stream(launch.stream):  # (the scratch Triton allocates comes from that stream's pool)
+                launch.run(*launch.grid, launch.stream.cuda_stream, launch.function, launch.metadata, None, None,
+                           None, *args)
+        for stream in self.side_streams:
+            caller.wait_stream(stream)
 
     def launch(self, *tensors) -> None:
         device = tensors[0].device

@@ -127,7 +127,8 @@ def test_shipped_winners_are_served_on_their_gpu():
 # (run on groups of 1 and 4 below: more slices than heads must stay exact too).
 BWD_SAMPLE = gpu_sample("bwd", 11, lambda rng, valid: [rng.choice([v for v in valid if v["DQ_MODE"] == m]) for m in ("separate", "atomic", "tma_reduce")]
                         + [rng.choice([v for v in valid if v["GQA_SPLIT"] > 1])]
-                        + [rng.choice([v for v in valid if v["DKDV_KERNEL"] == "gluon_sm90"])], heads_kv=2)
+                        + [rng.choice([v for v in valid if v["DKDV_KERNEL"] == "gluon_sm90"])]
+                        + [rng.choice([v for v in valid if v["DQ_OVERLAP"] == "concurrent"])], heads_kv=2)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

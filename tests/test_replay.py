@@ -61,14 +61,16 @@ def test_forward_replay_matches_the_module_bit_for_bit(variant):
 
 
 @gpu
-@pytest.mark.parametrize("dq_mode, gqa_split, dkdv_kernel", [("separate", 1, "triton"), ("atomic", 1, "triton"),
-                                                            ("tma_reduce", 1, "triton"), ("separate", 4, "triton"),
-                                                            ("separate", 1, "gluon_sm90")])
-def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split, dkdv_kernel):
+@pytest.mark.parametrize("dq_mode, gqa_split, dkdv_kernel, overlap", [
+    ("separate", 1, "triton", "serial"), ("atomic", 1, "triton", "serial"), ("tma_reduce", 1, "triton", "serial"),
+    ("separate", 4, "triton", "serial"), ("separate", 1, "gluon_sm90", "serial"), ("separate", 1, "triton", "concurrent"),
+    ("separate", 4, "triton", "concurrent"), ("separate", 1, "gluon_sm90", "concurrent")])
+def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split, dkdv_kernel, overlap):
     """The separate-dQ backward (three kernels, one scratch buffer; four and two with a split GQA
-    group; the Gluon dK/dV kernel's TMA descriptors) is bound and replays exactly; the atomic and
-    tma_reduce ones (a zeroed accumulator and a torch copy outside the kernels) are refused by the
-    replay check, and the call each was given still has the right gradients."""
+    group; the Gluon dK/dV kernel's TMA descriptors; the dK/dV kernels on a second stream) is bound
+    and replays exactly; the atomic and tma_reduce ones (a zeroed accumulator and a torch copy outside
+    the kernels) are refused by the replay check, and the call each was given still has the right
+    gradients."""
     shape = Shape(2, 8, 2 if gqa_split > 1 else 8, 1000, 1000, 64, True, "bfloat16", op="bwd")
     device = gpu_fingerprint()
     base = default_variant("bwd", shape.problem, device)
@@ -76,9 +78,10 @@ def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split, dkdv_kern
     tiles = {"BLOCK_M2": 64, "BLOCK_N2": 32} if dq_mode != "separate" else {}  # (the space's rule for atomic dQ)
     if dkdv_kernel == "gluon_sm90":
         tiles.update(BLOCK_M1=64, BLOCK_N1=128)  # (the space's rule for the Gluon kernel at d64)
-    variant = space.nearest_valid(base.replace(DQ_MODE=dq_mode, GQA_SPLIT=gqa_split, DKDV_KERNEL=dkdv_kernel, **tiles),
-                                  shape.problem, device)
-    assert (variant["DQ_MODE"], variant["GQA_SPLIT"], variant["DKDV_KERNEL"]) == (dq_mode, gqa_split, dkdv_kernel)
+    variant = space.nearest_valid(base.replace(DQ_MODE=dq_mode, GQA_SPLIT=gqa_split, DKDV_KERNEL=dkdv_kernel,
+                                               DQ_OVERLAP=overlap, **tiles), shape.problem, device)
+    assert (variant["DQ_MODE"], variant["GQA_SPLIT"], variant["DKDV_KERNEL"], variant["DQ_OVERLAP"]) == (
+        dq_mode, gqa_split, dkdv_kernel, overlap)
     kernel = codegen.load(variant)
     q, k, v = make_inputs(shape, "cuda", seed=1)
     out, lse = api.forward_with_lse(q, k, v, causal=True)
@@ -93,6 +96,8 @@ def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split, dkdv_kern
         assert launch is None
         return
     assert launch is not None
+    # the replay runs the dK/dV kernels on the module's second stream where the module did
+    assert len(launch.__self__.side_streams) == (1 if overlap == "concurrent" else 0)
     q, k, v = make_inputs(shape, "cuda", seed=5)
     out, lse = api.forward_with_lse(q, k, v, causal=True)
     mine = [torch.full_like(t, float("nan")) for t in (q, k, v)]
@@ -100,6 +105,53 @@ def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split, dkdv_kern
     launch(q, k, v, out, lse, do, *mine)
     kernel.backward(q, k, v, out, lse, do, *theirs, 0.125, True, 0)
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+@gpu
+def test_concurrent_backward_on_a_caller_stream_and_in_a_cuda_graph():
+    """The backward whose dK/dV kernels run on a second stream (DQ_OVERLAP "concurrent"), called on
+    a stream of the caller's and replayed inside a captured CUDA graph, with new tensors each time:
+    the module's gradients on the default stream bit for bit (the caller's stream waits for the
+    second one, which waits for the caller's work before it)."""
+    shape = Shape(2, 8, 2, 1000, 1000, 128, True, "bfloat16", op="bwd")
+    device, space = gpu_fingerprint(), load_space("triton_bwd")
+    variant = space.nearest_valid(default_variant("bwd", shape.problem, device).replace(
+        DQ_MODE="separate", DQ_OVERLAP="concurrent", GQA_SPLIT=2), shape.problem, device)
+    assert (variant["DQ_OVERLAP"], variant["GQA_SPLIT"]) == ("concurrent", 2)
+    kernel = codegen.load(variant)
+    scale = shape.head_dim ** -0.5
+    inputs = []
+    for seed in (1, 2):
+        q, k, v = make_inputs(shape, "cuda", seed=seed)
+        out, lse = api.forward_with_lse(q, k, v, causal=True)
+        inputs.append((q, k, v, out, lse, torch.randn_like(q)))
+    expected = []
+    for q, k, v, out, lse, do in inputs:
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        kernel.backward(q, k, v, out, lse, do, *grads, scale, True, 0)
+        expected.append(grads)
+    caller = torch.cuda.Stream()
+    static = [t.clone() for t in inputs[0]]
+    grads = [torch.full_like(t, float("nan")) for t in static[:3]]
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        launch = kernel.bind_backward(*static, *grads, scale, True, 0)
+        assert launch is not None and launch.__self__.side_streams
+        for t in grads:
+            t.fill_(float("nan"))
+        launch(*static, *grads)  # on the caller's stream, eagerly
+    torch.cuda.current_stream().wait_stream(caller)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected[0]))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(*static, *grads)
+    for (q, k, v, out, lse, do), want in zip(reversed(inputs), reversed(expected)):
+        for dst, src in zip(static, (q, k, v, out, lse, do)):
+            dst.copy_(src)
+        for t in grads:
+            t.fill_(float("nan"))
+        graph.replay()
+        assert all(torch.equal(a, b) for a, b in zip(grads, want))
 
 
 @gpu

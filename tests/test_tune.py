@@ -265,6 +265,32 @@ def test_a_knob_the_earlier_template_lacked_takes_its_legacy_value():
     assert dict(old, GQA_SPLIT=1) in seeds and dict(old, GQA_SPLIT=8) not in seeds
 
 
+def test_a_stored_backward_winner_is_seeded_with_its_dq_overlap_twin():
+    """On a GPU a short backward search measures the stored winner and then the same kernels with
+    the other DQ_OVERLAP (the dQ kernel beside the dK/dV kernel, or after it), before the default;
+    the interpreter (no streams) gets no such twin."""
+    import dataclasses
+
+    from autoflash import codegen
+    from autoflash.tuning.seeds import seed_variants
+
+    h200 = dataclasses.replace(gpu_fingerprint(), name="NVIDIA H200", cc_major=9, cc_minor=0, smem_per_block=232448)
+    problem = Problem("bwd", "bfloat16", 128, True, 4, 2048, 2048, work=3)
+    space, thash = load_space("triton_bwd"), codegen.template_hash("triton_bwd")
+    for device, twins in ((h200, 1), (gpu_fingerprint(), 0)):
+        default = default_variant("bwd", problem, device)
+        stored = space.nearest_valid(default.replace(DQ_OVERLAP="serial", GRID_ORDER="heavy_first", num_stages=3),
+                                     problem, device)
+        row = dict(problem=problem.key, template_hash=thash, variant=stored.json(), op="bwd", head_dim=128,
+                   dtype="bfloat16", gpu_key=device.key)
+        seeds = seed_variants(default, problem, device, thash, [row], 8)
+        assert seeds[0] == stored
+        if twins:
+            assert seeds[1] == stored.replace(DQ_OVERLAP="concurrent") and default["DQ_OVERLAP"] == "concurrent"
+        else:
+            assert all(s["DQ_OVERLAP"] == "serial" for s in seeds) and seeds[1] == default
+
+
 def report_training_forward(variant_json, family, shape, rep_ms, device):
     """A real evaluation, whose message says which forward the backward candidates were timed after."""
     from autoflash.tuning import gate

@@ -16,7 +16,8 @@ from autoflash.store import Store
 
 def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, thash: str, rows: list[dict],
                   budget: int) -> list[Variant]:
-    """The default and known-good variants: this problem's winners under earlier versions of the
+    """The default and known-good variants: the winner served today and its twin with the other
+    DQ_OVERLAP (backward); this problem's winners under earlier versions of the
     template (a warm start after a template edit; knobs they lack take the default's values); for
     a causal problem, the heavy_first grid order of the default and of the first earlier winner;
     then other problems' winners of the same dtype and head dim. rows: winners rows of this GPU
@@ -25,14 +26,15 @@ def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, th
     rows = [w for w in rows if w["op"] == problem.op and w["head_dim"] == problem.head_dim]
     # The winner served today for this very problem (this DB's or shipped) comes first: a short
     # search must never end below what users already get.
-    seeds = current_winners(problem, device, thash, rows) + [default]
+    current = current_winners(problem, device, thash, rows)
     # (rows of the op's other current families are another space's knobs: not seeds here)
     earlier = [w for w in rows if w["problem"] in same_problem_keys(problem) and w["template_hash"] != thash
                and codegen.family_for_hash(problem.op, w["template_hash"]) is None]
     others = [w for w in rows if w["problem"] != problem.key and w["template_hash"] == thash
               and w["dtype"] == problem.dtype]
-    seeds += _valid_variants(earlier, default, problem, device, thash, space)
-    seeds += _heavy_first_twins(seeds[:2], problem, device, space)
+    known = current + [default] + _valid_variants(earlier, default, problem, device, thash, space)
+    seeds = current + _overlap_twins(current[:1], problem, device, space) + known
+    seeds += _heavy_first_twins(known[:2], problem, device, space)
     seeds += _valid_variants(others, default, problem, device, thash, space)
     return list(dict.fromkeys(seeds))[: max(2, budget // 4)]
 
@@ -121,6 +123,19 @@ def _valid_variants(rows: list[dict], default: Variant | None, problem: Problem,
         except ValueError:
             continue
     return variants
+
+
+def _overlap_twins(variants: list[Variant], problem: Problem, device: GPUFingerprint, space: Space) -> list[Variant]:
+    """The same variants with the other DQ_OVERLAP (the backward's dQ kernel beside its dK/dV kernel,
+    or after it): measured on an H200 (docs/results/2026-12-03-h200-concurrent-dq.md) it moved the
+    stored winners' backward by -8% to +8%, a difference a search that starts from them should see first."""
+    twins = []
+    for v in variants:
+        for value in space.knobs.get("DQ_OVERLAP", ()):
+            twin = v.replace(DQ_OVERLAP=value)
+            if twin != v and not space.violations(twin, problem, device):
+                twins.append(twin)
+    return twins
 
 
 def _heavy_first_twins(variants: list[Variant], problem: Problem, device: GPUFingerprint,

@@ -137,12 +137,13 @@ def test_backward_stays_finite_when_every_score_is_very_negative(mode):
 SM90_VARIANTS = {
     "split4-tma": (128, dict(GQA_SPLIT=4, LOADS="tma", DQ_MODE="separate")),
     "split2-atomic": (64, dict(GQA_SPLIT=2, LOADS="pointer", DQ_MODE="atomic", BLOCK_M2=64, BLOCK_N2=32,
-                               GRID_ORDER="heavy_first")),
+                               GRID_ORDER="heavy_first", DQ_OVERLAP="serial")),
     "d256-default": (256, dict(GQA_SPLIT=1)),
     # dQ added by the copy engine (no interpreter support: compiled here, run on the GPU only)
     "d256-tma-reduce": (256, dict(GQA_SPLIT=1, DQ_MODE="tma_reduce", BLOCK_M2=64, BLOCK_N2=32, num_stages=1,
-                                  DKDV_KERNEL="triton")),
-    "split2-tma-reduce": (64, dict(GQA_SPLIT=2, LOADS="pointer", DQ_MODE="tma_reduce", BLOCK_M2=64, BLOCK_N2=32)),
+                                  DKDV_KERNEL="triton", DQ_OVERLAP="serial")),
+    "split2-tma-reduce": (64, dict(GQA_SPLIT=2, LOADS="pointer", DQ_MODE="tma_reduce", BLOCK_M2=64, BLOCK_N2=32,
+                                   DQ_OVERLAP="serial")),
 }
 
 

@@ -12,7 +12,7 @@ from autoflash import api, codegen
 from autoflash.device import gpu_fingerprint
 from autoflash.dispatch import Dispatcher, WinnerTable, get_dispatcher
 from autoflash.problem import Shape
-from autoflash.reference import reference, rel_error
+from autoflash.reference import make_inputs, reference, rel_error
 from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning.sandbox import evaluate_variant
@@ -304,3 +304,37 @@ def test_the_gate_leaves_out_shapes_a_vendor_backend_refuses_but_not_all_of_them
     own = codegen.load(default_variant(op, shape.problem, DEVICE))
     assert not refused_by_vendor(own, RuntimeError("No available kernel"))
 
+
+
+class _TorchRefusesGqa(SdpaKernel):
+    """torch's own refusal (and its warnings): K/V with fewer heads, without enable_gqa."""
+
+    def attention(self, q, k, v, sm_scale, causal, causal_offset=0):
+        import torch.nn.functional as F
+
+        from autoflash.vendor import only_backend
+
+        with only_backend(self._backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+
+
+def test_the_gate_keeps_torchs_refusal_warnings_out_of_a_tuning_run():
+    """torch warns once per reason while a forced backend looks for a kernel it lacks (every gate
+    shape of every vendor candidate): the gate records the refusal, the warnings stay out of the
+    tuner's output. The same call outside the gate does warn (so the test can fail)."""
+    import warnings
+
+    from autoflash.tuning.gate import check
+
+    kernel = _TorchRefusesGqa(sdpa("fwd", "flash"))
+    q, k, v = make_inputs(SHAPE, "cpu", seed=1)
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="No available kernel"):
+            kernel.attention(q, k, v, 0.1, True)
+    assert outside
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = check(kernel, SHAPE, "cpu")
+    assert result.refused and not result.passed
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []

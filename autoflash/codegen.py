@@ -8,7 +8,10 @@ The family contract. A rendered module defines `OP` ("fwd" | "bwd"), `LOADS` and
   launch(q, k, v, o, lse, sm_scale, is_causal, causal_offset, compile_only=False)               (fwd)
   launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, is_causal, causal_offset, compile_only=False) (bwd)
 and may define `supports(q, k, v, o) -> str | None` (why it cannot take these tensors) and
-`launch_varlen(...)` (packed variable-length sequences: see `Kernel.forward_varlen`/`backward_varlen`). Everything
+`launch_varlen(...)` (packed variable-length sequences: see `Kernel.forward_varlen`/`backward_varlen`). A launch
+works on the caller's current stream; it may put kernels on a stream of its own if each run of them
+first waits for the caller's stream and the caller's stream waits for them before `launch` returns
+(what `replay` reproduces for a bound launch). Everything
 else (the dispatcher, the correctness gate, timing, bench) goes through `Kernel`, which owns the
 launch preparation (the TMA descriptor allocator, the TMA alignment check).
 

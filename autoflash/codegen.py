@@ -10,8 +10,9 @@ The family contract. A rendered module defines `OP` ("fwd" | "bwd"), `LOADS` and
 and may define `supports(q, k, v, o) -> str | None` (why it cannot take these tensors) and
 `launch_varlen(...)` (packed variable-length sequences: see `Kernel.forward_varlen`/`backward_varlen`). A launch
 works on the caller's current stream; it may put kernels on a stream of its own if each run of them
-first waits for the caller's stream and the caller's stream waits for them before `launch` returns
-(what `replay` reproduces for a bound launch). Everything
+first waits for the caller's stream, the caller's stream waits for them only when `launch` returns
+(also when it raises), and nothing on the caller's stream reads what they write before that: the
+order `replay` reproduces for a bound launch. Everything
 else (the dispatcher, the correctness gate, timing, bench) goes through `Kernel`, which owns the
 launch preparation (the TMA descriptor allocator, the TMA alignment check).
 

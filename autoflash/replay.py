@@ -26,10 +26,12 @@ module therefore is: its launch depends on its tensors' shapes, strides, dtypes 
 its scalar arguments, never on tensor values read on the host (a replay would freeze them).
 A call whose tensors alias one another (q is k) is not bound.
 
-Streams: a launch the module makes on a stream other than the caller's (the backward's dK/dV kernels
-beside its dQ kernel) is replayed on that same stream, with the module's ordering contract: each run
-of such launches starts by waiting for the caller's stream (what was launched before it), and the
-call ends with the caller's stream waiting for every other stream it used.
+Streams: launches the module makes on a stream other than the caller's (the backward's dK/dV kernels
+beside its dQ kernel) are replayed on a stream of the replay's own for that caller stream (one per
+caller stream: a graph capture or another thread's stream never shares it), with the module's
+ordering contract (see `codegen`): each run of such launches starts by waiting for the caller's
+stream (what was launched before it), and the call ends with the caller's stream waiting for every
+other stream it used, also when a launch raised.
 """
 
 from __future__ import annotations
@@ -113,7 +115,19 @@ class _Launch(typing.NamedTuple):
     values: list  # the arguments as recorded, None where `fills` makes them per call
     fills: list  # (position, fill(tensors, scratch))
     global_scratch: bool  # in-kernel TMA descriptors: Triton's allocator gives scratch at each launch
-    stream: torch.cuda.Stream | None  # None: the caller's
+    side: int | None  # None: the caller's stream; else which of the call's other streams
+
+
+_SIDE_STREAMS: dict[tuple[int, int, int], "torch.cuda.Stream"] = {}  # (device, caller stream, slot) -> stream
+
+
+def _side_stream(device_index: int, caller_raw: int, slot: int):
+    """The replay's other stream number `slot` beside the caller's stream `caller_raw` (made once)."""
+    key = (device_index, caller_raw, slot)
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        stream = _SIDE_STREAMS.setdefault(key, torch.cuda.Stream(device_index))
+    return stream
 
 
 class _Plan:
@@ -129,9 +143,10 @@ class _Plan:
         self.scratch: list[tuple] = []  # (size, dtype) of each buffer the module allocated
         self._scratch_of: dict[int, tuple[int, int]] = {}  # storage -> (index, id of its tensor)
         self._storages = [t.untyped_storage().data_ptr() for t in tensors]
+        self._slots: dict[int, int] = {}  # recorded other stream -> its slot
         self.launches = [self._launch_of(record, tensors) for record in records]
         self.before_launch = before_launch if any(launch.global_scratch for launch in self.launches) else None
-        self.side_streams = list(dict.fromkeys(launch.stream for launch in self.launches if launch.stream is not None))
+        self.other_streams = len(self._slots)
 
     def _launch_of(self, record, tensors) -> _Launch:
         jit, args, kwargs, compiled, stream = record
@@ -151,8 +166,9 @@ class _Plan:
             if fill is not None:
                 fills.append((pos, fill))
                 values[pos] = None  # (the plan must not keep the recorded call's tensors alive)
+        side = None if stream is None else self._slots.setdefault(stream.cuda_stream, len(self._slots))
         return _Launch((g0, g1, g2), compiled.run, compiled.function, compiled.packed_metadata, values, fills,
-                       bool(getattr(compiled.metadata, "global_scratch_size", 0)), stream)
+                       bool(getattr(compiled.metadata, "global_scratch_size", 0)), side)
 
     def _fill_of(self, value, tensors):
         """How to produce this argument at replay time from (new tensors, new scratch); None: as recorded."""
@@ -205,24 +221,38 @@ class _Plan:
             self.before_launch()
         index = tensors[0].device.index
         caller_raw = torch._C._cuda_getCurrentRawStream(index)
-        caller = torch.cuda.current_stream(index) if self.side_streams else None  # (host time: only when needed)
-        running_on = None  # the other stream of the run of launches in progress
-        for launch in self.launches:
-            args = list(launch.values)
-            for pos, fill in launch.fills:
-                args[pos] = fill(tensors, scratch)
-            if launch.stream is None:
-                running_on = None
-                launch.run(*launch.grid, caller_raw, launch.function, launch.metadata, None, None, None, *args)
-                continue
-            if running_on is not launch.stream:  # a run of launches on another stream starts after the caller's work
-                launch.stream.wait_stream(caller)
-                running_on = launch.stream
-            with torch.cuda.stream(launch.stream):  # (the scratch Triton allocates comes from that stream's pool)
-                launch.run(*launch.grid, launch.stream.cuda_stream, launch.function, launch.metadata, None, None,
-                           None, *args)
-        for stream in self.side_streams:
-            caller.wait_stream(stream)
+        if not self.other_streams:  # (the common case, kept to the fewest host calls)
+            for launch in self.launches:
+                launch.run(*launch.grid, caller_raw, launch.function, launch.metadata, None, None, None,
+                           *self._arguments(launch, tensors, scratch))
+            return
+        caller = torch.cuda.current_stream(index)
+        others = [_side_stream(index, caller_raw, slot) for slot in range(self.other_streams)]
+        running = None  # the slot of the run of other-stream launches in progress
+        try:
+            for launch in self.launches:
+                args = self._arguments(launch, tensors, scratch)
+                if launch.side is None:
+                    running = None
+                    launch.run(*launch.grid, caller_raw, launch.function, launch.metadata, None, None, None, *args)
+                    continue
+                stream = others[launch.side]
+                if running != launch.side:  # a run of launches on another stream starts after the caller's work
+                    stream.wait_stream(caller)
+                    running = launch.side
+                with torch.cuda.stream(stream):  # (the scratch Triton allocates comes from that stream's pool)
+                    launch.run(*launch.grid, stream.cuda_stream, launch.function, launch.metadata, None, None, None,
+                               *args)
+        finally:
+            for stream in others:
+                caller.wait_stream(stream)
+
+    @staticmethod
+    def _arguments(launch: _Launch, tensors, scratch) -> list:
+        args = list(launch.values)
+        for pos, fill in launch.fills:
+            args[pos] = fill(tensors, scratch)
+        return args
 
     def launch(self, *tensors) -> None:
         device = tensors[0].device

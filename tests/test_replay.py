@@ -97,7 +97,7 @@ def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split, dkdv_kern
         return
     assert launch is not None
     # the replay runs the dK/dV kernels on the module's second stream where the module did
-    assert len(launch.__self__.side_streams) == (1 if overlap == "concurrent" else 0)
+    assert launch.__self__.other_streams == (1 if overlap == "concurrent" else 0)
     q, k, v = make_inputs(shape, "cuda", seed=5)
     out, lse = api.forward_with_lse(q, k, v, causal=True)
     mine = [torch.full_like(t, float("nan")) for t in (q, k, v)]
@@ -107,51 +107,101 @@ def test_backward_replay_or_module_launch_is_exact(dq_mode, gqa_split, dkdv_kern
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
+def test_replay_orders_launches_on_another_stream_as_the_family_contract_says(monkeypatch):
+    """(Fake streams, any machine.) A run of launches on another stream starts by waiting for the
+    caller's stream; launches on the caller's stream in between do not wait; the caller's stream
+    waits for the other one when the call ends, also when a launch raised (the caller frees the
+    buffers those launches use)."""
+    import contextlib
+
+    from autoflash import replay
+
+    events = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name, self.cuda_stream = name, len(name)
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits {other.name}")
+
+    caller, other = FakeStream("caller"), FakeStream("other stream")
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: caller.cuda_stream, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: caller)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(replay, "_side_stream", lambda index, caller_raw, slot: other)
+
+    def launch(name, side, fails=False):
+        def run(g0, g1, g2, stream, *rest):
+            if fails:
+                raise RuntimeError("out of resources")
+            events.append(f"{name} on {'caller' if stream == caller.cuda_stream else other.name}")
+        return replay._Launch((1, 1, 1), run, None, None, [], [], False, side)
+
+    plan = object.__new__(replay._Plan)
+    plan.before_launch, plan.other_streams = None, 1
+    plan.launches = [launch("delta", None), launch("dkdv", 0), launch("reduce", 0), launch("dq", None),
+                     launch("dkdv 2", 0)]
+    plan._replay((torch.empty(1),), [])
+    assert events == ["delta on caller", "other stream waits caller", "dkdv on other stream",
+                      "reduce on other stream", "dq on caller", "other stream waits caller",
+                      "dkdv 2 on other stream", "caller waits other stream"]
+    events.clear()
+    plan.launches = [launch("delta", None), launch("dkdv", 0), launch("dq", None, fails=True)]
+    with pytest.raises(RuntimeError, match="out of resources"):
+        plan._replay((torch.empty(1),), [])
+    assert events == ["delta on caller", "other stream waits caller", "dkdv on other stream",
+                      "caller waits other stream"]
+
+
 @gpu
 def test_concurrent_backward_on_a_caller_stream_and_in_a_cuda_graph():
-    """The backward whose dK/dV kernels run on a second stream (DQ_OVERLAP "concurrent"), called on
-    a stream of the caller's and replayed inside a captured CUDA graph, with new tensors each time:
-    the module's gradients on the default stream bit for bit (the caller's stream waits for the
-    second one, which waits for the caller's work before it)."""
+    """The backward whose dK/dV kernels run on a second stream (DQ_OVERLAP "concurrent"): the module's
+    call and its bound launch on a stream of the caller's, and the bound launch inside a captured CUDA
+    graph, each right after the caller's stream spun and then wrote new inputs (a launch that did
+    not wait for the caller's stream would read the old ones), give the gradients of the same kernels
+    run serially, bit for bit."""
     shape = Shape(2, 8, 2, 1000, 1000, 128, True, "bfloat16", op="bwd")
     device, space = gpu_fingerprint(), load_space("triton_bwd")
     variant = space.nearest_valid(default_variant("bwd", shape.problem, device).replace(
         DQ_MODE="separate", DQ_OVERLAP="concurrent", GQA_SPLIT=2), shape.problem, device)
     assert (variant["DQ_OVERLAP"], variant["GQA_SPLIT"]) == ("concurrent", 2)
-    kernel = codegen.load(variant)
-    scale = shape.head_dim ** -0.5
-    inputs = []
-    for seed in (1, 2):
+    concurrent, serial = codegen.load(variant), codegen.load(variant.replace(DQ_OVERLAP="serial"))
+    scale, spin = shape.head_dim ** -0.5, 50_000_000  # (cycles: tens of milliseconds)
+    inputs, expected = [], []
+    for seed in (1, 2, 3):
         q, k, v = make_inputs(shape, "cuda", seed=seed)
         out, lse = api.forward_with_lse(q, k, v, causal=True)
         inputs.append((q, k, v, out, lse, torch.randn_like(q)))
-    expected = []
-    for q, k, v, out, lse, do in inputs:
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        kernel.backward(q, k, v, out, lse, do, *grads, scale, True, 0)
+        serial.backward(*inputs[-1], *grads, scale, True, 0)
         expected.append(grads)
-    caller = torch.cuda.Stream()
     static = [t.clone() for t in inputs[0]]
-    grads = [torch.full_like(t, float("nan")) for t in static[:3]]
-    caller.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(caller):
-        launch = kernel.bind_backward(*static, *grads, scale, True, 0)
-        assert launch is not None and launch.__self__.side_streams
-        for t in grads:
-            t.fill_(float("nan"))
-        launch(*static, *grads)  # on the caller's stream, eagerly
-    torch.cuda.current_stream().wait_stream(caller)
-    assert all(torch.equal(a, b) for a, b in zip(grads, expected[0]))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(*static, *grads)
-    for (q, k, v, out, lse, do), want in zip(reversed(inputs), reversed(expected)):
-        for dst, src in zip(static, (q, k, v, out, lse, do)):
+    grads = [torch.empty_like(t) for t in static[:3]]
+
+    def after_new_inputs(run, which):  # the caller's stream spins, then writes the inputs, then runs
+        torch.cuda._sleep(spin)
+        for dst, src in zip(static, inputs[which]):
             dst.copy_(src)
         for t in grads:
             t.fill_(float("nan"))
-        graph.replay()
-        assert all(torch.equal(a, b) for a, b in zip(grads, want))
+        run()
+        return all(torch.equal(a, b) for a, b in zip(grads, expected[which]))
+
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        assert after_new_inputs(lambda: concurrent.backward(*static, *grads, scale, True, 0), 1)
+        launch = concurrent.bind_backward(*static, *grads, scale, True, 0)
+        assert launch is not None and launch.__self__.other_streams == 1
+        assert after_new_inputs(lambda: launch(*static, *grads), 2)
+        assert after_new_inputs(lambda: launch(*static, *grads), 0)
+    torch.cuda.current_stream().wait_stream(caller)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(*static, *grads)
+    for which in (1, 2):
+        assert after_new_inputs(graph.replay, which)
 
 
 @gpu

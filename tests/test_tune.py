@@ -274,10 +274,13 @@ def test_a_stored_backward_winner_is_seeded_with_its_dq_overlap_twin():
     from autoflash import codegen
     from autoflash.tuning.seeds import seed_variants
 
+    from autoflash.device import INTERPRETER_NAME
+
     h200 = dataclasses.replace(gpu_fingerprint(), name="NVIDIA H200", cc_major=9, cc_minor=0, smem_per_block=232448)
+    interpreter = dataclasses.replace(h200, name=INTERPRETER_NAME)
     problem = Problem("bwd", "bfloat16", 128, True, 4, 2048, 2048, work=3)
     space, thash = load_space("triton_bwd"), codegen.template_hash("triton_bwd")
-    for device, twins in ((h200, 1), (gpu_fingerprint(), 0)):
+    for device, twins in ((h200, 1), (interpreter, 0)):
         default = default_variant("bwd", problem, device)
         stored = space.nearest_valid(default.replace(DQ_OVERLAP="serial", GRID_ORDER="heavy_first", num_stages=3),
                                      problem, device)

@@ -17,6 +17,37 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HAS_GPU = torch.cuda.is_available() and not INTERPRET
 
 
+def _language_objects():
+    """What Triton's interpreter patches while a kernel runs (its `_patch_lang`)."""
+    import triton.language as tl
+
+    named = (tl.core.tensor, getattr(tl.core, "tensor_descriptor_base", None), tl.core.dtype)
+    return (tl, tl.core, tl.math) + tuple(obj for obj in named if obj is not None)
+
+
+_MISSING = object()
+_PRISTINE = [(obj, dict(vars(obj))) for obj in _language_objects()]  # (before any kernel ran)
+
+
+@pytest.fixture(autouse=True)
+def _language_as_it_was():
+    """Undo what an interpreted kernel left patched in triton.language. Triton 3.6's interpreter
+    patches it around each launch and restores it after, but a nested @triton.jit call patches it
+    again without restoring: `tensor.__bool__` and `__index__` then read an interpreter value
+    (`handle.data`), and compiling a kernel for the GPU later in the same process fails on
+    compile-time values ("'block_argument' object has no attribute 'data'"), depending on which tests
+    ran before."""
+    yield
+    for obj, saved in _PRISTINE:
+        current = vars(obj)
+        for name, value in saved.items():
+            if current.get(name, _MISSING) is not value:
+                setattr(obj, name, value)
+        if isinstance(obj, type):  # (a module may gain submodules and lazy attributes legitimately)
+            for name in [n for n in current if n not in saved]:
+                delattr(obj, name)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_caches(tmp_path_factory):
     root = tmp_path_factory.mktemp("autoflash")

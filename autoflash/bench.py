@@ -2,8 +2,9 @@
 
 Timings are interleaved: each round times every method once per shape, and the reported value
 is the median over rounds of device-time medians (`tuning.timing.device_ms`: the kernels' own time,
-the host kept ahead), so slow drift hits all methods alike. The Llama steps are timed as a user sees
-them, host time included (`bench_ms`).
+the host kept ahead), each round's repetitions interleaved across the methods
+(`device_ms_interleaved`), so slow drift hits all methods alike. The Llama steps are in
+`bench_llama`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from autoflash import codegen
 from autoflash.problem import Shape, geomean, unsupported_head_dim
 from autoflash.reference import causal_offset_for, make_inputs, sdpa_backend
 from autoflash.tuning import gate
-from autoflash.tuning.timing import (SDPA_BACKENDS, bench_ms, device_ms, if_it_runs, launch_callable, sdpa_callable,
+from autoflash.tuning.timing import (SDPA_BACKENDS, device_ms_interleaved, if_it_runs, launch_callable, sdpa_callable,
                                      tflops, time_callable)
 from autoflash.space import InvalidVariant, Variant, load_space
 
@@ -72,14 +73,24 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
             fn()  # first call: kernel load (and, in the interpreter, its one-time set-up)
         samples = {name: [] for name in fns}
         for r in range(rounds):
-            for name in alternating(tuple(fns), r):
-                samples[name].append(time_callable(fns[name], q.device, rep_ms))
+            for name, ms in timed_round(fns, q.device, rep_ms, r).items():
+                samples[name].append(ms)
         ms = {name: statistics.median(s) for name, s in samples.items()}
         for backend in sdpa:
             ms.setdefault(f"sdpa_{backend}", float("nan"))
         rows.append(BenchRow(dataclasses.replace(shape, op="fwdbwd") if shape.op == "bwd" else shape, ms))
         del q, k, v
     return rows
+
+
+def timed_round(fns: dict, device, rep_ms: float, round_index: int) -> dict:
+    """One round of a shape's timings, method -> ms: on a GPU every method's repetitions interleaved
+    (`device_ms_interleaved`; the order of the methods reversed every other round); in the
+    interpreter the wall clock of one call each."""
+    names = alternating(tuple(fns), round_index)
+    if torch.device(device).type == "cuda":
+        return device_ms_interleaved({n: fns[n] for n in names}, warmup_ms=10, rep_ms=rep_ms, device=device)
+    return {n: time_callable(fns[n], device, rep_ms) for n in names}
 
 
 @contextlib.contextmanager
@@ -146,8 +157,8 @@ def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "autoflash-own", "sdpa
                 peaks[(shape.label(), m)] = torch.cuda.max_memory_allocated() - base
         samples = {m: [] for m, fn in fns.items() if fn is not None}
         for r in range(rounds):
-            for m in alternating(tuple(samples), r):
-                samples[m].append(device_ms(fns[m], warmup_ms=10, rep_ms=rep_ms))
+            for m, ms in timed_round({m: fns[m] for m in samples}, q.device, rep_ms, r).items():
+                samples[m].append(ms)
         ms = {m: statistics.median(samples[m]) if m in samples else float("nan") for m in methods}
         rows.append(BenchRow(dataclasses.replace(shape, op="fwdbwd"), ms))
         del q, k, v, grad
@@ -189,89 +200,11 @@ def dispatch_overhead(calls: int = 2000, repeats: int = 7) -> dict:
     return result
 
 
-def _small_llama(max_positions: int):
-    """The random-weight Llama of `bench --llama` (bf16, 8 layers, hidden 2048, 16 query / 4 KV
-    heads of 128) and autoflash's registered attention name."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import autoflash.integrations.transformers as aft
-
-    name = aft.register()
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max_positions)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16), name
-
-
 def alternating(impls: tuple, round_index: int) -> tuple:
     """The order of one interleaved round: reversed every other round, so that a drift over the run
     (clocks, temperature, the allocator's state) does not always favour the implementation timed
     first (a fixed order leaves that bias in every round)."""
     return impls[::-1] if round_index % 2 else impls
-
-
-def llama_step_times(batch: int = 4, seqlen: int = 2048, rounds: int = 3) -> dict:
-    """The small Llama run with transformers' "sdpa" attention and with autoflash's registered
-    implementation: median ms of an inference forward and of a training step (forward+backward),
-    interleaved rounds in one process, plus the logits' relative difference."""
-    model, name = _small_llama(seqlen)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seqlen), device="cuda")
-
-    def infer():
-        with torch.no_grad():
-            return model(ids).logits
-
-    def train_step():
-        model(ids, labels=ids).loss.backward()
-
-    impls = ("sdpa", name)
-    logits, times = {}, {(impl, step): [] for impl in impls for step in ("inference", "train_step")}
-    for impl in impls:
-        model.set_attn_implementation(impl)
-        logits[impl] = infer().float()
-        train_step()  # compile and load every kernel before timing
-    for r in range(rounds):
-        for impl in alternating(impls, r):
-            model.set_attn_implementation(impl)
-            times[(impl, "inference")].append(bench_ms(infer, warmup_ms=25, rep_ms=200))
-            times[(impl, "train_step")].append(bench_ms(train_step, warmup_ms=25, rep_ms=400))
-    err = ((logits[name] - logits["sdpa"]).norm() / logits["sdpa"].norm()).item()
-    return {"name": name, "logits_rel_diff": err,
-            "ms": {key: statistics.median(t) for key, t in times.items()}}
-
-
-def llama_generate(batch: int = 4, prompt: int = 1024, new_tokens: int = 128, rounds: int = 3) -> dict:
-    """Greedy `generate()` of the small Llama with "sdpa" and with autoflash's attention (its decoding
-    steps take the decode kernels): the tokens of both, where they first differ, and tokens/s
-    (new tokens of the batch per second, median of interleaved rounds, wall clock with the GPU
-    synchronized)."""
-    import time
-
-    model, name = _small_llama(prompt + new_tokens)
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
-
-    def generate():
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  pad_token_id=0)
-
-    impls = ("sdpa", name)
-    tokens, seconds = {}, {impl: [] for impl in impls}
-    for impl in impls:
-        model.set_attn_implementation(impl)
-        tokens[impl] = generate()[:, prompt:]
-    for r in range(rounds):
-        for impl in alternating(impls, r):
-            model.set_attn_implementation(impl)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            generate()
-            torch.cuda.synchronize()
-            seconds[impl].append(time.perf_counter() - t0)
-    same = tokens["sdpa"] == tokens[name]
-    first = [int((~row).nonzero()[0]) if not row.all() else None for row in same]
-    return {"name": name, "same_tokens": bool(same.all()), "first_difference": first,
-            "tokens_per_s": {impl: batch * new_tokens / statistics.median(t) for impl, t in seconds.items()}}
 
 
 def served_by(disp, shape: Shape, device, op: str) -> str:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from autoflash import bench
+from autoflash import bench_llama
 
 
 def main(prompt: int = 256, new_tokens: int = 64, batch: int = 2) -> None:
-    model, name = bench._small_llama(prompt + new_tokens)
+    model, name = bench_llama._small_llama(prompt + new_tokens)
     for dtype in (torch.float32, torch.bfloat16):
         model = model.to(dtype)
         torch.manual_seed(1)

@@ -437,3 +437,24 @@ def test_bench_rounds_alternate_the_order_of_the_implementations():
     assert orders[0] == impls and orders[1] == impls[::-1]
     for impl in impls:
         assert sum(o.index(impl) for o in orders) == len(orders) * (len(impls) - 1) / 2
+
+
+def test_interleaved_timing_gives_every_call_each_place_equally_often():
+    """`device_ms_interleaved` rotates its calls per repetition: over len(names) repetitions each
+    call is timed once in every position, so a drift within a repetition favours none of them."""
+    from autoflash.tuning.timing import interleaved_order
+
+    names = ["a", "b", "c"]
+    orders = [interleaved_order(names, i) for i in range(6)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] and orders[3:] == orders[:3]
+    for name in names:
+        assert sorted(o.index(name) for o in orders[:3]) == [0, 1, 2]
+    assert [interleaved_order(["only"], i) for i in range(2)] == [["only"], ["only"]]
+
+
+def test_llama_speedup_is_the_median_of_paired_ratios_with_its_quartiles():
+    from autoflash.bench_llama import paired_speedup
+
+    up = paired_speedup([0.99, 1.00, 1.01, 1.02, 1.20])
+    assert up["median"] == 1.01 and up["q1"] < up["median"] < up["q3"]
+    assert paired_speedup([1.5])["median"] == 1.5

@@ -16,20 +16,25 @@ def _overhead(bench_mod, device):
                   f"({device.name}, torch {device.torch_version}, triton {device.triton_version})")
 
 
-def _llama(bench_mod, device, rounds):
-    r = bench_mod.llama_step_times(rounds=rounds)
+def _llama(device, rounds):
+    from autoflash.bench_llama import llama_step_times
+
+    r = llama_step_times(rounds=rounds)
     t = Table(title=f"Llama (8 layers, hidden 2048, GQA 16/4, d128, bf16, batch 4 x 2048 tokens) on {device.name}")
-    for col in ("step", "sdpa ms", f"{r['name']} ms", "speed-up"):
+    for col in ("step", "sdpa ms", f"{r['name']} ms", "speed-up (median of pairs)", "interquartile range"):
         t.add_column(col)
     for step in ("inference", "train_step"):
-        base, mine = r["ms"][("sdpa", step)], r["ms"][(r["name"], step)]
-        t.add_row(step, f"{base:.2f}", f"{mine:.2f}", f"{base / mine:.3f}x")
+        base, mine, up = r["ms"][("sdpa", step)], r["ms"][(r["name"], step)], r["speedup"][step]
+        t.add_row(step, f"{base:.2f}", f"{mine:.2f}", f"{up['median']:.4f}x", f"{up['q1']:.4f}-{up['q3']:.4f}")
     console.print(t)
-    console.print(f"logits vs sdpa: relative difference {r['logits_rel_diff']:.2e}")
+    console.print(f"{r['pairs']} adjacent pairs of steps per row, the order reversed every other pair; "
+                  f"logits vs sdpa: relative difference {r['logits_rel_diff']:.2e}")
 
 
-def _generate(bench_mod, device, rounds):
-    r = bench_mod.llama_generate(rounds=rounds)
+def _generate(device, rounds):
+    from autoflash.bench_llama import llama_generate
+
+    r = llama_generate(rounds=rounds)
     t = Table(title=f"Llama generate() (8 layers, GQA 16/4, d128, bf16; batch 4, prompt 1024, 128 new tokens, greedy) "
                     f"on {device.name}")
     for col in ("attention", "tokens/s", "speed-up"):
@@ -210,9 +215,9 @@ def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhea
     if overhead:
         _overhead(bench_mod, device)
     elif llama:
-        _llama(bench_mod, device, rounds)
+        _llama(device, rounds)
     elif generate:
-        _generate(bench_mod, device, rounds)
+        _generate(device, rounds)
     elif op == "decode":
         _decode(device, rounds, interpret, md_path, json_path)
     elif fwdbwd:

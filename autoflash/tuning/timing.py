@@ -46,14 +46,34 @@ def device_ms(fn, warmup_ms: float = 10, rep_ms: float = 100, max_reps: int = 10
     As do_bench: work fn leaves on a side stream it never joins is not timed, and an fn that
     synchronizes inside is timed with the host time after its sync. Wall time: up to ~3x rep_ms
     (the spins), more on a GPU clocked well under 2 GHz. device: the GPU fn runs on (default current)."""
+    return device_ms_interleaved({"fn": fn}, warmup_ms, rep_ms, max_reps, device)["fn"]
+
+
+def device_ms_interleaved(fns: dict, warmup_ms: float = 10, rep_ms: float = 100, max_reps: int = 1000,
+                          device=None) -> dict:
+    """`device_ms` of several calls at once, name -> median GPU ms, their repetitions interleaved:
+    repetition i times every call once, starting with call i mod len(fns) (two calls: A B, B A, A B,
+    ...). Clocks, temperature and power move over seconds, so calls timed in blocks one after the
+    other see different GPUs (two bench columns that ran the very same cuDNN kernel, each timed in
+    its own block, measured 0.967x to 1.01x of each other over three runs on an H200, B1 8k d128);
+    interleaved per repetition, each call sees the same drift. Each call keeps its own spin
+    (its host time) and the L2 flush; every call gets the same number of repetitions, the fewest any
+    one of them would get alone."""
     with torch.cuda.device(device):
-        return _device_ms(fn, warmup_ms, rep_ms, max_reps)
+        return _device_ms_interleaved(fns, warmup_ms, rep_ms, max_reps)
 
 
-def _device_ms(fn, warmup_ms: float, rep_ms: float, max_reps: int) -> float:
+def interleaved_order(names: list, repetition: int) -> list:
+    """The order of one repetition of `device_ms_interleaved`: rotated by one each repetition, so
+    every call is first (right after the previous repetition's calls) equally often."""
+    k = repetition % len(names)
+    return names[k:] + names[:k]
+
+
+def _spin_and_estimate(fn) -> tuple[int, float, float]:
+    """fn's spin (cycles: twice its host time, +20 us), device ms per call, host seconds per call."""
     fn()
     torch.cuda.synchronize()
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
     # Host time of one call (enqueue only) and device time of one call, from a few of each.
     t0 = time.perf_counter()
     for _ in range(3):
@@ -68,22 +88,34 @@ def _device_ms(fn, warmup_ms: float, rep_ms: float, max_reps: int) -> float:
         fn()
     end.record()
     torch.cuda.synchronize()
-    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
-    # Wall time of one repetition: the call, the spin (up to 2x its nominal length), the flush.
-    per_rep_ms = estimate_ms + spin / SPIN_CYCLES_PER_US * 2e-3 + 0.1
-    reps = int(max(10, min(max_reps, rep_ms / estimate_ms, 3 * rep_ms / per_rep_ms)))
-    for _ in range(max(1, int(warmup_ms / max(estimate_ms, host_s * 1e3)))):  # (host-bound calls: by host time)
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    return spin, max(start.elapsed_time(end) / 5, 1e-3), host_s
+
+
+def _device_ms_interleaved(fns: dict, warmup_ms: float, rep_ms: float, max_reps: int) -> dict:
+    names = list(fns)
+    est = {name: _spin_and_estimate(fns[name]) for name in names}
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    reps = max_reps
+    for spin, estimate_ms, _ in est.values():
+        # Wall time of one repetition: the call, the spin (up to 2x its nominal length), the flush.
+        per_rep_ms = estimate_ms + spin / SPIN_CYCLES_PER_US * 2e-3 + 0.1
+        reps = min(reps, int(max(10, min(max_reps, rep_ms / estimate_ms, 3 * rep_ms / per_rep_ms))))
+    for name in names:
+        _, estimate_ms, host_s = est[name]
+        for _ in range(max(1, int(warmup_ms / max(estimate_ms, host_s * 1e3)))):  # (host-bound: by host time)
+            fns[name]()
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(reps)] for name in names}
     for i in range(reps):
-        torch.cuda._sleep(spin)
-        flush.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
+        for name in interleaved_order(names, i):
+            start, end = events[name][i]
+            torch.cuda._sleep(est[name][0])
+            flush.zero_()
+            start.record()
+            fns[name]()
+            end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return {name: statistics.median(s.elapsed_time(e) for s, e in events[name]) for name in names}
 
 
 def time_variant(kernel: Kernel, shape: Shape, device, rep_ms: float = 100, align: str = "top_left") -> float:

@@ -10,8 +10,6 @@ silently; with AUTOFLASH_STRICT=1 each fallback raises `FallbackError` instead.
 from __future__ import annotations
 
 import math
-import os
-import warnings
 
 import torch
 
@@ -19,36 +17,14 @@ from autoflash import decode_kernels
 from autoflash.kernel_cache import KernelCacheError
 from autoflash.device import interpreter_enabled, interpreter_numpy_problem
 from autoflash.dispatch import get_dispatcher
-from autoflash.problem import unsupported_head_dim
+from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
+from autoflash.problem import unsupported_head_dim, unsupported_scale
 from autoflash.reference import sdpa_attention
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class FallbackWarning(UserWarning):
-    """autoflash handed a call to torch SDPA (the reason is in the message)."""
-
-
-class FallbackError(RuntimeError):
-    """Raised instead of a fallback when AUTOFLASH_STRICT=1."""
-
-
-_warned_reasons: set[str] = set()
-
-
-def strict_mode() -> bool:
-    """AUTOFLASH_STRICT: 1/true/yes/on turn fallbacks into errors; 0/false/no/off/empty do not."""
-    value = os.environ.get("AUTOFLASH_STRICT", "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
-
-
-def _fallback(reason: str) -> None:
-    if strict_mode():
-        raise FallbackError(f"autoflash cannot run this call on its kernels: {reason} "
-                            "(AUTOFLASH_STRICT=1 turns fallbacks into errors)")
-    if reason not in _warned_reasons:
-        _warned_reasons.add(reason)
-        warnings.warn(f"autoflash: falling back to torch SDPA: {reason}", FallbackWarning, stacklevel=4)
+_fallback = fall_back
 
 
 def _validate(q, k, v, names: tuple[str, str, str], layout: str) -> None:
@@ -104,14 +80,16 @@ def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
     if scale is not None and not float(scale) > 0:
         # The kernels scale scores after taking their row max, which needs a positive scale.
         return "a softmax scale that is not positive is not supported by the kernels"
+    if scale is not None and (reason := unsupported_scale(float(scale))):
+        return reason
     if attn_mask is not None:
         return "an explicit attn_mask is not supported by the kernels"
     if dropout_p > 0.0:
         return "dropout_p > 0 is not supported by the kernels"
     if q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype} is not supported (float16, bfloat16, float32 are)"
-    if q.device.type != "cuda" and not interpreter_enabled():
-        return f"{q.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreter_enabled()):
+        return f"{q.device.type} tensors need a CUDA GPU (or CPU tensors with TRITON_INTERPRET=1)"
     if interpreter_enabled() and q.dtype == torch.bfloat16:
         return "bfloat16 is not computed correctly by Triton's CPU interpreter"
     if interpreter_enabled() and (numpy_problem := interpreter_numpy_problem()):
@@ -317,7 +295,7 @@ def reset() -> None:
     """Forget every plan, warning and loaded winner (tests; after tuning into the DB in-process)."""
     for plans in PLAN_MEMOS:
         plans.clear()
-    _warned_reasons.clear()
+    warned_reasons.clear()
     get_dispatcher().reset()
 
 

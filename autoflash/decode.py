@@ -15,37 +15,30 @@ implementation with one `FallbackWarning` per reason (`AUTOFLASH_STRICT=1`: `Fal
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
 from autoflash import api
-from autoflash.api import FallbackError, FallbackWarning  # noqa: F401 (re-exported for callers)
+from autoflash.fallback import FallbackError, FallbackWarning, fall_back  # noqa: F401 (re-exported for callers)
 from autoflash.decode_kernels import launch
 from autoflash.decode_validate import validate_kvcache
 from autoflash.device import interpreter_enabled
-from autoflash.problem import unsupported_head_dim
+from autoflash.problem import unsupported_head_dim, unsupported_scale
 from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
 
 
 # --------------------------------------------------------------------------- fallback
 def _fallback(reason: str) -> None:
-    """One FallbackWarning per reason (shared with the API's set: `api.reset()` clears it)."""
-    if api.strict_mode():
-        raise FallbackError(f"autoflash cannot run this call on its kernels: {reason} "
-                            "(AUTOFLASH_STRICT=1 turns fallbacks into errors)")
-    key = f"decode: {reason}"
-    if key not in api._warned_reasons:
-        api._warned_reasons.add(key)
-        warnings.warn(f"autoflash: falling back to torch (flash_attn_with_kvcache): {reason}", FallbackWarning,
-                      stacklevel=3)
+    fall_back(reason, to="torch (flash_attn_with_kvcache)")
 
 
-def _unsupported_reason(q: torch.Tensor) -> str | None:
+def _unsupported_reason(q: torch.Tensor, scale: float) -> str | None:
+    if reason := unsupported_scale(scale):
+        return reason
     if q.dtype not in api.KERNEL_DTYPES:
         return f"dtype {q.dtype} is not supported (float16, bfloat16, float32 are)"
-    if q.device.type != "cuda" and not interpreter_enabled():
-        return f"{q.device.type} tensors need a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreter_enabled()):
+        return f"{q.device.type} tensors need a CUDA GPU (or CPU tensors with TRITON_INTERPRET=1)"
     if interpreter_enabled() and q.dtype == torch.bfloat16:
         return "bfloat16 is not computed correctly by Triton's CPU interpreter"
     return unsupported_head_dim(q.shape[-1])
@@ -95,12 +88,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     seqlens, new = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
                                     causal, num_splits)
     batch, q_len, heads, head_dim = q.shape
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    # (head dim 0: nothing to scale; the empty output is returned as it is)
+    scale = (1.0 / math.sqrt(head_dim) if head_dim else 1.0) if softmax_scale is None else float(softmax_scale)
     with torch.no_grad():
         if new:
             _append(k_cache, v_cache, k, v, seqlens, block_table)
         total = seqlens if not new and seqlens.is_contiguous() else (seqlens + new).to(torch.int32).contiguous()
-        reason = _unsupported_reason(q) if q.numel() else None
+        reason = _unsupported_reason(q, scale) if q.numel() else None
         if reason is not None:
             _fallback(reason)
             out, lse = torch_decode(q, k_cache, v_cache, total, block_table, scale, causal)

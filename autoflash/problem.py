@@ -35,6 +35,22 @@ def unsupported_head_dim(d: int) -> str | None:
     return None
 
 
+# Every kernel multiplies its scores by sm_scale * log2(e) in float32 (softmax by exp2): that factor
+# must be a normal float32. Outside, it is a subnormal (flushed to zero on a GPU, a float64 the
+# interpreter's dot refuses) or infinite; torch's own SDPA takes those scales.
+LOG2E = 1.4426950408889634
+_FLOAT32_TINY, _FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127
+
+
+def unsupported_scale(scale: float | None) -> str | None:
+    """Why the kernels cannot take this finite softmax scale (a call falls back), or None. Zero is
+    taken where a kernel takes it at all (the forward refuses scales <= 0 on its own)."""
+    if scale is None or scale == 0 or _FLOAT32_TINY <= abs(scale) * LOG2E <= _FLOAT32_MAX:
+        return None
+    return (f"a softmax scale of {scale!r} is outside the kernels' float32 range "
+            f"(|scale| * log2(e) must lie in [{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}])")
+
+
 def _check_int(name: str, value, low: int, high: int, power_of_two: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -93,7 +93,7 @@ def sdpa_attention(q, k, v, attn_mask, dropout_p, causal, causal_offset, scale):
     """torch SDPA on (B, H, N, D) tensors, with bottom-right causal expressed as a mask."""
     import torch.nn.functional as F
 
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // k.shape[1] if k.shape[1] else 1  # (zero heads: an empty output, as SDPA)
     if group > 1:  # portable GQA (enable_gqa is not supported by every backend)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)

@@ -9,6 +9,8 @@ backward through this same path, so the measured time is what a training step ge
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -96,6 +98,38 @@ def training_pair_for(winner, own_forward, own_backward, sm_scale: float, causal
                         sm_scale, causal, causal_offset, fallback_backward, fallback_forward)
 
 
+class _NotTwiceDifferentiable(torch.autograd.Function):
+    """A gradient handed out under create_graph=True, tied to q, k and v: differentiating it again
+    raises. (`once_differentiable` ties its error node to no input, so `torch.autograd.grad(...,
+    inputs)` prunes it and returns the gradient without the second-order term, silently.)"""
+
+    @staticmethod
+    def forward(ctx, grad, *inputs):
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("autoflash attention is not twice differentiable (its backward kernels have no "
+                           "derivative): a double backward needs torch SDPA's math backend")
+
+
+def first_order(backward):
+    """In place of `once_differentiable` on a Function's backward whose first three saved tensors are
+    q, k, v: the backward runs without building a graph; under create_graph=True its gradients come
+    out tied to q, k, v, so a second derivative through them raises instead of dropping a term."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not create_graph:
+            return outputs
+        inputs = ctx.saved_tensors[:3]
+        return tuple(_NotTwiceDifferentiable.apply(g, *inputs) if isinstance(g, torch.Tensor) else g
+                     for g in outputs)
+    return wrapper
+
+
 class EagerAttention(torch.autograd.Function):
     """The same forward and backward as `attn_fwd`/`attn_bwd`, as a plain autograd.Function for
     eager training: the custom op's per-call dispatch (schema checks, the op's autograd wrapper)
@@ -109,7 +143,7 @@ class EagerAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # (the backward kernels are not differentiable themselves)
+    @first_order  # (the backward kernels are not differentiable themselves)
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.pair.backward(q, k, v, out, lse, grad_out)

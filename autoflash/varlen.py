@@ -21,6 +21,7 @@ import torch
 from autoflash import api
 from autoflash.decode_validate import validate_varlen
 from autoflash.dispatch import get_dispatcher
+from autoflash.training import first_order
 
 
 def _packed_views(*tensors):
@@ -42,7 +43,7 @@ class VarlenAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, sm_scale, causal = ctx.args
@@ -77,13 +78,13 @@ def _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal):
         q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
         if q1 == q0:
             continue
-        if k1 == k0:
-            outs.append(q.new_zeros((q1 - q0, q.shape[1], v.shape[2])))
+        if k1 == k0:  # (zeros with zero gradients, not a piece cut off from the graph)
+            outs.append(_NoAttention.apply(q[q0:q1], k[k0:k1], v[k0:k1]))
             continue
         outs.append(api.flash_attn_func(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
                                         softmax_scale=softmax_scale, causal=causal)[0])
     if not outs:
-        return q.new_zeros((*q.shape[:2], v.shape[2]))
+        return _NoAttention.apply(q, k, v)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 

@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from autoflash.bench_llama import _small_llama
+from autoflash.bench_llama import _small_llama, paired_speedup, step_ms
 
 
 def kernel_times(fn, steps: int = 3) -> dict:
@@ -40,16 +40,6 @@ def kernel_times(fn, steps: int = 3) -> dict:
     return {name: (n / steps, us / steps) for name, (n, us) in acc.items()}
 
 
-def step_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def paired_ratios(model, impls, fn, pairs: int) -> dict:
     """Steps timed in ABBA order; ratio = time(impls[0]) / time(impls[1]) per adjacent pair (>1: the
     second implementation is faster)."""
@@ -62,8 +52,8 @@ def paired_ratios(model, impls, fn, pairs: int) -> dict:
             t[impl] = step_ms(fn)
             times[impl].append(t[impl])
         ratios.append(t[impls[0]] / t[impls[1]])
-    q = statistics.quantiles(ratios, n=4)
-    return {"median_ratio": statistics.median(ratios), "q1": q[0], "q3": q[2],
+    up = paired_speedup(ratios)
+    return {"median_ratio": up["median"], "q1": up["q1"], "q3": up["q3"],
             "median_ms": {impl: statistics.median(v) for impl, v in times.items()}}
 
 

@@ -1,0 +1,49 @@
+"""Fallbacks to torch: one `FallbackWarning` per reason, attributed to the caller's own line, or
+with AUTOFLASH_STRICT=1 a `FallbackError`. Shared by every public function (api, decode, varlen)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+
+class FallbackWarning(UserWarning):
+    """autoflash handed a call to torch SDPA (the reason is in the message)."""
+
+
+class FallbackError(RuntimeError):
+    """Raised instead of a fallback when AUTOFLASH_STRICT=1."""
+
+
+warned_reasons: set[str] = set()  # (cleared by `api.reset()`)
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def strict_mode() -> bool:
+    """AUTOFLASH_STRICT: 1/true/yes/on turn fallbacks into errors; 0/false/no/off/empty do not."""
+    value = os.environ.get("AUTOFLASH_STRICT", "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+def _first_frame_outside_package() -> int:
+    """The `warnings.warn` stacklevel, from the function that calls this one, of the first frame
+    outside autoflash: the user's line, however many of autoflash's functions lie between (a
+    varlen call that falls back per sequence goes through three)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def fall_back(reason: str, to: str = "torch SDPA") -> None:
+    """Say (once per reason and target) or, in strict mode, refuse that a call goes to `to`."""
+    if strict_mode():
+        raise FallbackError(f"autoflash cannot run this call on its kernels: {reason} "
+                            "(AUTOFLASH_STRICT=1 turns fallbacks into errors)")
+    key = f"{to}: {reason}"
+    if key not in warned_reasons:
+        warned_reasons.add(key)
+        warnings.warn(f"autoflash: falling back to {to}: {reason}", FallbackWarning,
+                      stacklevel=_first_frame_outside_package())

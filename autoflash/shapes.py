@@ -5,22 +5,57 @@ from __future__ import annotations
 
 import os
 
-from autoflash.problem import Shape
+from autoflash.problem import DTYPES, Shape, unsupported_head_dim
 
 SHAPE_FIELDS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "causal", "dtype")
 
 
+def _recorded_already(path: str | os.PathLike, shape: Shape) -> bool:
+    """Whether the file holds this shape's [[shape]] table (written by an earlier run of the model);
+    a file that does not parse is appended to as it is."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            tables = tomllib.load(f).get("shape", [])
+    except (OSError, ValueError):
+        return False
+    return any(isinstance(t, dict) and all(t.get(f) == getattr(shape, f) for f in SHAPE_FIELDS) for t in tables)
+
+
 def record_shape(path: str | os.PathLike, shape: Shape) -> None:
-    """Append `shape` as a [[shape]] table of a shape-set TOML file (made with a header if new).
-    One write per shape in append mode, so concurrent recorders interleave whole tables."""
+    """Append `shape` as a [[shape]] table of a shape-set TOML file (made with a header if new),
+    unless the file has it already. One write per shape in append mode, so concurrent recorders
+    interleave whole tables."""
     import json
 
+    if _recorded_already(path, shape):
+        return
     header = "" if os.path.exists(path) else (
         "# Problems a model ran, recorded by autoflash (AUTOFLASH_RECORD). Tune exactly these with\n"
         "#   autoflash tune --ops fwd,bwd --shapes THIS_FILE\n")
     table = "\n[[shape]]\n" + "".join(f"{f} = {json.dumps(getattr(shape, f))}\n" for f in SHAPE_FIELDS)
     with open(path, "a", encoding="utf-8") as f:
         f.write(header + table)
+
+
+def shape_problem(shape: Shape) -> str | None:
+    """What makes `shape` no shape to tune (sizes that are not positive integers, query heads that
+    are no multiple of the KV heads, a head dim or dtype the kernels do not take), or None. A tuned
+    winner is stored under the problem's bucket: a bogus shape would stand in for real ones."""
+    for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"):
+        value = getattr(shape, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{field} must be a positive integer, got {value!r}"
+    if shape.heads_q % shape.heads_kv:
+        return f"heads_q ({shape.heads_q}) must be a multiple of heads_kv ({shape.heads_kv})"
+    if not isinstance(shape.causal, bool):
+        return f"causal must be true or false, got {shape.causal!r}"
+    if shape.dtype not in DTYPES:
+        return f"dtype must be one of {list(DTYPES)}, got {shape.dtype!r}"
+    if shape.page is not None and (isinstance(shape.page, bool) or not isinstance(shape.page, int) or shape.page < 1):
+        return f"page must be a positive integer, got {shape.page!r}"
+    return unsupported_head_dim(shape.head_dim)
 
 
 def shape_set_names() -> list[str]:
@@ -59,6 +94,9 @@ def load_shape_set(name_or_path: str, op: str = "fwd") -> list[Shape]:
                                 seqlen_k=n, head_dim=d, causal=causal, dtype=dtype, op=op))
     for s in data.get("shape", []):
         shapes.append(Shape(**{"op": op, "heads_kv": s.get("heads_kv", s["heads_q"]), **s}))
+    for i, shape in enumerate(shapes):
+        if reason := shape_problem(shape):
+            raise ValueError(f"{name_or_path}: shape {i + 1} ({shape.label()}): {reason}")
     if not shapes:
         raise ValueError(f"shape set {name_or_path!r} defines no shapes")
     return shapes

@@ -13,6 +13,7 @@ This module does not import torch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -48,7 +49,7 @@ class Store:
                  busy_timeout_ms: int = BUSY_TIMEOUT_MS):
         self.path = pathlib.Path(path) if path else default_db_path()
         self.readonly = readonly
-        timeout = busy_timeout_ms / 1000
+        self.busy_timeout_s = timeout = busy_timeout_ms / 1000
         try:
             if readonly:
                 if not self.path.is_file():
@@ -77,16 +78,19 @@ class Store:
     def close(self) -> None:
         self.db.close()
 
-    @staticmethod
-    def _retry(fn, attempts: int = 20):
-        """Run fn, retrying when another writer holds the lock past the busy timeout."""
-        for i in range(attempts):
+    def _retry(self, fn):
+        """Run fn, retrying while SQLite answers "locked" or "busy" at once (which it does, e.g.,
+        when a read transaction must become a write), for one busy timeout in all: a process that
+        holds the lock longer (an open write transaction elsewhere) makes this fail then, with
+        SQLite's error, instead of waiting a busy timeout per retry (20 of them: ten minutes)."""
+        deadline = time.monotonic() + self.busy_timeout_s
+        for i in itertools.count():
             try:
                 return fn()
             except sqlite3.OperationalError as e:
-                if "locked" not in str(e) and "busy" not in str(e) or i == attempts - 1:
+                if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() >= deadline:
                     raise
-                time.sleep(0.05 * (i + 1))
+                time.sleep(min(0.05 * (i + 1), 1.0))
 
     def _transaction(self, fn):
         """fn(conn) inside one IMMEDIATE transaction: all of its writes or none (retried when locked)."""

@@ -48,6 +48,27 @@ def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
 
 
+def _is_count(x) -> bool:
+    """An integer SQLite stores (a signed 64-bit one) and that counts something (>= 0)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and 0 <= x < 2 ** 63
+
+
+def shape_text_problem(text: str) -> str | None:
+    """Why a winners row's `shape` (the JSON of the `Shape` it was tuned on) is none, or None."""
+    from autoflash.problem import Shape
+    from autoflash.shapes import shape_problem
+
+    try:
+        fields = json.loads(text)
+        shape = Shape(**fields) if isinstance(fields, dict) else None
+    except (ValueError, TypeError) as e:
+        return f"is not the JSON of a shape ({e})"
+    if shape is None:
+        return f"must be the JSON object of a shape, got {text[:60]!r}"
+    reason = shape_problem(shape)
+    return None if reason is None else f"is no valid shape: {reason}"
+
+
 def problem_columns(problem) -> dict:
     """The columns of a trials or winners row that repeat its problem key (for SQL queries)."""
     return {"op": problem.op, "dtype": problem.dtype, "head_dim": problem.head_dim, "causal": int(problem.causal),
@@ -97,12 +118,14 @@ def validate_winner(row, index: int) -> dict:
             raise _error(what, f"field {col!r} must be empty or a finite number {low}, got {x!r}")
     for col in _OPTIONAL_COUNT:
         x = row.get(col)
-        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0):
-            raise _error(what, f"field {col!r} must be empty or an integer >= 0, got {x!r}")
+        if x is not None and not _is_count(x):
+            raise _error(what, f"field {col!r} must be empty or an integer in [0, 2**63), got {x!r}")
     for col in _OPTIONAL_TEXT:
         x = row.get(col)
         if x is not None and not isinstance(x, str):
             raise _error(what, f"field {col!r} must be empty or text, got {x!r}")
+    if row.get("shape") is not None and (reason := shape_text_problem(row["shape"])):
+        raise _error(what, f"field 'shape' {reason}")
     return {**{c: row.get(c) for c in WINNER_COLUMNS}, **cols}
 
 
@@ -117,8 +140,9 @@ def validate_gpu(row, index: int) -> dict:
         raise _error(what, f"required field 'gpu_key' must be a non-empty string, got {row.get('gpu_key')!r}")
     for col in ("cc_major", "cc_minor", "sm_count", "smem_per_block"):
         x = row.get(col)
-        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0):
-            raise _error(f"{what} ({row['gpu_key']!r})", f"field {col!r} must be empty or an integer >= 0, got {x!r}")
+        if x is not None and not _is_count(x):
+            raise _error(f"{what} ({row['gpu_key']!r})",
+                         f"field {col!r} must be empty or an integer in [0, 2**63), got {x!r}")
     for col in ("name", "torch_version", "triton_version", "cuda_version", "autoflash_version"):
         x = row.get(col)
         if x is not None and not isinstance(x, str):

@@ -120,6 +120,22 @@ def test_search_quality_on_a_recorded_sweep(tmp_path, monkeypatch):
     assert int(cells[1]) == len(load_space("fwd").valid_variants(prob, dev))  # variants in the sweep
 
 
+def test_search_quality_reads_a_sweep_made_before_a_knob_existed():
+    """A sweep older than a knob (its rows lack it) is read with the knob's `[legacy]` value, the
+    kernel it measured; rows of other knobs (another family's) are left out; none at all: an error."""
+    import json
+
+    from autoflash.space import load_space
+    from autoflash.tuning.search_quality import in_current_space
+
+    space = load_space("fwd")
+    assert space.legacy, "the forward space names the values of its later knobs"
+    variant = next(space.all_variants())
+    old = {k: v for k, v in variant.as_dict().items() if k not in space.legacy}  # as recorded before
+    table = in_current_space({json.dumps(old): 1.5, json.dumps({"BACKEND": "cudnn"}): 0.5}, space)
+    assert table == {variant.replace(**space.legacy).json(): 1.5}
+
+
 def test_db_export_import_merge_are_idempotent(tmp_path):
     src = _db_with_winners(tmp_path / "src.db", n=3)
     out = tmp_path / "w.json"

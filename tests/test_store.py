@@ -118,6 +118,33 @@ def test_two_concurrent_writers_lose_no_row(tmp_path):
     assert store.db["runs"].count == 2
 
 
+def test_a_writer_gives_up_after_one_busy_timeout_while_another_process_holds_the_lock(tmp_path):
+    """A write lock held elsewhere (an open write transaction in another process) makes a write fail
+    after about one busy timeout, with SQLite's "locked", not after one busy timeout per retry."""
+    import time
+
+    path = tmp_path / "held.db"
+    Store(path).close()
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sqlite3, sys, time
+conn = sqlite3.connect({str(path)!r}, isolation_level=None)
+conn.execute("BEGIN EXCLUSIVE")
+print("held", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with pytest.raises((sqlite3.OperationalError, StoreError), match="locked|busy"):
+            Store(path, busy_timeout_ms=1000).start_run(GPU.key, "blocked writer")  # (opening writes too)
+        assert time.monotonic() - t0 < 10  # (one busy timeout of 1 s, and the last attempt's own wait)
+    finally:
+        holder.kill()
+        holder.wait()
+    store = Store(path)  # the lock gone: writes go through
+    assert store.start_run(GPU.key, "after") >= 1
+
+
 def test_opens_in_sqlite_utils_cli(tmp_path):
     # The running interpreter's own sqlite-utils (a dependency), whether or not its venv is on PATH.
     path = tmp_path / "a.db"

@@ -97,8 +97,37 @@ def problem(op, dtype, head_dim, causal, seqlen=4096, gqa_group=1) -> Problem:
                    seqlen_q=seqlen_bucket(seqlen), seqlen_k=seqlen_bucket(seqlen))
 
 
+_SQLITE_HEADER = b"SQLite format 3\x00"
+# What lies beside a results DB: SQLite's own companions and the tuner's Optuna journal.
+_DB_COMPANIONS = ("-wal", "-shm", "-journal", ".optuna.journal")
+
+
+def _is_sqlite_file(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_SQLITE_HEADER)) == _SQLITE_HEADER
+    except OSError:
+        return False
+
+
+def database_in_the_way(value: str) -> str | None:
+    """The SQLite database that writing a text or image file at `value` would destroy (that file
+    itself, or the DB whose -wal/-shm/journal or Optuna journal it is), or None."""
+    candidates = [value] + [value[:-len(s)] for s in _DB_COMPANIONS if value.endswith(s)]
+    return next((c for c in candidates if _is_sqlite_file(c)), None)
+
+
 def check_output_path(ctx, param, value):
-    """An output file's folder must exist (checked before any work is done); '-' is stdout."""
+    """An output file's folder must exist (checked before any work is done); '-' is stdout. A text
+    or image output never replaces a database (a results DB, a shipped DB) or one of its companions."""
+    _check_output_folder(value)
+    if value is not None and value != "-" and (db := database_in_the_way(value)):
+        what = "is an SQLite database" if db == value else f"belongs to the SQLite database {db}"
+        raise click.BadParameter(f"{value} {what}: refusing to overwrite it (choose another file)")
+    return value
+
+
+def _check_output_folder(value):
     if value is None or value == "-":
         return value
     parent = os.path.dirname(os.path.abspath(value))
@@ -109,9 +138,11 @@ def check_output_path(ctx, param, value):
     return value
 
 
-def output_option(*decls, **kwargs):
-    """An option naming a file to write: its folder must exist."""
-    return click.option(*decls, type=click.Path(dir_okay=False), callback=check_output_path, **kwargs)
+def output_option(*decls, database: bool = False, **kwargs):
+    """An option naming a file to write: its folder must exist; unless `database` (the option
+    writes an SQLite file itself), it must not be a database (`check_output_path`)."""
+    callback = (lambda ctx, param, value: _check_output_folder(value)) if database else check_output_path
+    return click.option(*decls, type=click.Path(dir_okay=False), callback=callback, **kwargs)
 
 
 def load_shapes(value: str, op: str = "fwd", param_hint: str = "'--shapes'"):

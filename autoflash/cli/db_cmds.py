@@ -8,8 +8,8 @@ import json
 import click
 from rich.table import Table
 
-from autoflash.cli.common import (OPS, FriendlyGroup, console, db_file_option, one_line, open_store,
-                                  output_option)
+from autoflash.cli.common import (OPS, FriendlyGroup, check_output_path, console, db_file_option, one_line,
+                                  open_store, output_option)
 
 
 @click.group(cls=FriendlyGroup)
@@ -22,7 +22,10 @@ def db():
 
 @db.command("path")
 def db_path_cmd():
-    """Print the path of the user results DB ($AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db)."""
+    """Print the path of the user results DB ($AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db).
+
+    Example: sqlite-utils tables "$(autoflash db path)" --counts
+    """
     from autoflash.store import default_db_path
 
     click.echo(str(default_db_path()))
@@ -69,10 +72,15 @@ def db_plot(db_file, gpu, op, output):
     from autoflash.problem import Shape
     from autoflash.store_queries import winners_summary
 
+    from autoflash.store_validate import shape_text_problem
+
     store = open_store(db_file, readonly=True)
-    rows, gpu_name = [], None
+    rows, gpu_name, skipped = [], None, []
     for w in winners_summary(store, gpu=gpu, op=op):
         if not w["shape"]:
+            continue
+        if reason := shape_text_problem(w["shape"]):  # (a row written by hand or by an older autoflash)
+            skipped.append(f"{w['problem']}: shape {reason}")
             continue
         gpu_name = gpu_name or w["gpu_key"].split("|")[0]
         ms = {"tuned": w["median_ms"], "default": w["default_ms"], "sdpa_cudnn": w["sdpa_cudnn_ms"],
@@ -84,6 +92,8 @@ def db_plot(db_file, gpu, op, output):
     bench_mod.plot(rows, ["tuned", "default", "sdpa_cudnn", "sdpa_flash"], output,
                    f"{op} TFLOP/s of stored winners on {gpu_name}")
     console.print(f"plot of {len(rows)} winners saved to {output}")
+    if skipped:
+        console.print(f"[yellow]warning:[/] {len(skipped)} winner(s) left out, first: {skipped[0]}")
 
 
 @db.command("show")
@@ -126,7 +136,7 @@ def db_show(problem_key, db_file):
 @click.option("--op", type=click.Choice(OPS), help="Winners of this op only (json, sqlite).")
 @click.option("--current", is_flag=True,
               help="Only winners the current templates can serve (json, sqlite): what to ship in cache/.")
-@output_option("-o", "--output", default="-", show_default=True)
+@output_option("-o", "--output", default="-", show_default=True, database=True)
 def db_export(db_file, fmt, table, op, current, output):
     """Export winners as JSON (for `autoflash db import`), a table as CSV, or winners as a small DB.
 
@@ -149,6 +159,8 @@ def db_export(db_file, fmt, table, op, current, output):
         n = store.copy_winners_to(output, keep=keep)
         console.print(f"{n} winner(s) written to {output}")
         return
+    if output != "-":  # (a JSON or CSV file in place of a DB, the source itself included, loses the DB)
+        check_output_path(None, None, output)
     with click.open_file(output, "w") as f:
         if fmt == "json":
             json.dump(store.export_winners(keep=keep), f, indent=1, sort_keys=True)

@@ -280,7 +280,11 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
         if gpu is None:
             continue
         device = GPUFingerprint(**{k: gpu[k] for k in GPUFingerprint.__dataclass_fields__})
-        q = search_quality(table, Problem.from_key(key), device, seeds, min(trials, len(table)), tolerance)
+        try:
+            q = search_quality(table, Problem.from_key(key), device, seeds, min(trials, len(table)), tolerance)
+        except ValueError as e:
+            console.print(f"[yellow]{one_line(e)}[/]")
+            continue
         found = [x for x in q["tpe"] if x is not None]
         t.add_row(key, str(q["space"]), str(q["within_tolerance"]),
                   f"{q['default_ms'] / q['best_ms']:.3f}" if q["default_ms"] else "-",

@@ -3,6 +3,7 @@ needs to come within a tolerance of the true best, next to random search (`autof
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -12,6 +13,22 @@ from autoflash.device import GPUFingerprint
 from autoflash.problem import Problem
 from autoflash.space import Variant, default_variant, load_space
 from autoflash.tuning.tuner import make_sampler
+
+
+def in_current_space(table: dict, space) -> dict:
+    """A sweep's timings keyed as the current space names its variants: a knob added since the sweep
+    takes its `[legacy]` value (the kernel the sweep measured); a row with a knob or a value the
+    space does not have (another family's, or a choice removed since) is left out. Without this, a
+    sweep older than a knob holds none of the variants the sampler proposes."""
+    out = {}
+    for key, ms in table.items():
+        knobs = json.loads(key)
+        if not isinstance(knobs, dict):
+            continue
+        knobs = {**{k: v for k, v in space.legacy.items() if k not in knobs}, **knobs}
+        if set(knobs) == set(space.knobs) and all(v in space.knobs[k] for k, v in knobs.items()):
+            out[Variant.of(space.family, knobs).json()] = ms
+    return out
 
 
 def replay_search(table: dict, problem: Problem, device: GPUFingerprint, trials: int, seed: int,
@@ -61,6 +78,10 @@ def search_quality(table: dict, problem: Problem, device: GPUFingerprint, seeds:
     per seed, against random search (200 shuffles) on the same table."""
     import random
 
+    table = in_current_space(table, load_space(problem.op))
+    if not table:
+        raise ValueError(f"{problem.key}: no recorded variant is one of the current {problem.op} search space's "
+                         "(the sweep was made with other knobs)")
     best = min(table.values())
     default = default_variant(problem.op, problem, device)
     tpe = [trials_to_reach(replay_search(table, problem, device, trials, seed, first=default), best, tolerance)

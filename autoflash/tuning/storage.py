@@ -104,8 +104,9 @@ def _rdb_storage(given: str) -> optuna.storages.RDBStorage:
                     heartbeat_stale_trial_callback=retry_trial, engine_kwargs={"pool_pre_ping": True})
         except ImportError as e:
             cause = e.__cause__ or e
-            raise StorageError(f"no database driver for {describe(given)} ({cause}): install it, e.g. "
-                               f"pip install 'autoflash[postgres]'") from None
+            hint = ("pip install 'autoflash[postgres]'" if given.startswith("postgres")
+                    else "the SQLAlchemy driver of that database")
+            raise StorageError(f"no database driver for {describe(given)} ({cause}): install it, e.g. {hint}") from None
         except Exception as e:  # noqa: BLE001 - SQLAlchemy's errors: one line for the user
             if attempt == 4 or "connect" in str(e).lower() or "argument" in str(e).lower():
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -374,3 +374,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
             reason = f"no usable kernel cache ({e})"
     _fallback(reason)
     return sdpa_attention(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()
+
+
+def flash_attn_heads_first(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+    """`flash_attn_func` on (batch, heads, seqlen, headdim) views, the layout attention layers hold
+    (transformers' attention functions receive them): the same semantics and result, (batch, seqlen_q,
+    heads, headdim) contiguous. A repeated call goes straight to its plan: the six transposes of a
+    round trip through `flash_attn_func` cost a model microseconds of host time per layer."""
+    if type(dropout_p) in (int, float) and not dropout_p and all(
+            isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        out = _repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2])
+        if out is not None:
+            return out.transpose(1, 2).contiguous()
+    return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
+                           softmax_scale=softmax_scale, causal=causal)

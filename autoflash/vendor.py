@@ -170,14 +170,20 @@ class only_backend:
 
             self.fallback = sdpa_kernel([self.backend])
             return self.fallback.__enter__()
-        self.previous = [read() for _, read, _ in _SWITCHES]
-        for backend, _, write in _SWITCHES:
-            write(backend == self.backend)
+        # Only the switches that change are written, and only those restored (a model's layers
+        # call this per attention: each torch._C call is host time).
+        changed = []
+        for backend, read, write in _SWITCHES:
+            was, wanted = read(), backend == self.backend
+            if was != wanted:
+                write(wanted)
+                changed.append((write, was))
+        self.previous = changed
         return self
 
     def __exit__(self, *exc):
         if self.fallback is not None:
             return self.fallback.__exit__(*exc)
-        for (_, _, write), was in zip(_SWITCHES, self.previous):
+        for write, was in self.previous:
             write(was)
         return False

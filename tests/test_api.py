@@ -327,3 +327,22 @@ def test_non_tensor_input_is_a_value_error_even_after_a_fast_path_call(bad):
     args = {"query": q, "key": q, "value": q, bad: [1.0]}
     with pytest.raises(ValueError, match=f"{bad} must be a torch.Tensor"):
         autoflash.attention(**args)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("nq, nk, hq, hkv, causal", [(37, 37, 2, 2, True), (23, 61, 4, 2, True), (61, 23, 2, 1, False)])
+def test_flash_attn_heads_first_is_flash_attn_func_on_heads_first_views(nq, nk, hq, hkv, causal):
+    """What the transformers integration calls with the (B, H, N, D) views a layer holds: the same
+    output as flash_attn_func (bottom-right causal), on the first call and on the repeated one that
+    goes straight to the plan, with gradients."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, nq, hq, 32, generator=g).requires_grad_()
+    k, v = (torch.randn(2, nk, hkv, 32, generator=g).requires_grad_() for _ in range(2))
+    want = autoflash.flash_attn_func(q, k, v, causal=causal)
+    grads_want = torch.autograd.grad(want.square().sum(), (q, k, v))
+    for _ in range(2):
+        got = api.flash_attn_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want)
+        for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), grads_want):
+            torch.testing.assert_close(a, b)

@@ -19,6 +19,7 @@ Causality is never dropped.
 from __future__ import annotations
 
 import autoflash
+from autoflash.api import flash_attn_heads_first
 
 NAME = "triton_autotuned"
 
@@ -34,8 +35,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         return out.transpose(1, 2).contiguous(), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(is_causal) and query.shape[2] > 1  # a single decoding query sees the whole cache
-    out = autoflash.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                    dropout_p=dropout, softmax_scale=scaling, causal=causal)
+    out = flash_attn_heads_first(query, key, value, dropout_p=dropout, softmax_scale=scaling, causal=causal)
     return out, None
 
 

@@ -18,8 +18,6 @@ class FallbackError(RuntimeError):
 
 warned_reasons: set[str] = set()  # (cleared by `api.reset()`)
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
 
 def strict_mode() -> bool:
     """AUTOFLASH_STRICT: 1/true/yes/on turn fallbacks into errors; 0/false/no/off/empty do not."""
@@ -32,9 +30,15 @@ def _first_frame_outside_package() -> int:
     outside autoflash: the user's line, however many of autoflash's functions lie between (a
     varlen call that falls back per sequence goes through three)."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and _in_package(frame.f_globals.get("__name__", "")):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _in_package(module: str) -> bool:
+    """By module name, not file path: right however the package was imported (a path with '..', a
+    symlink, a zip, byte code compiled elsewhere)."""
+    return module == "autoflash" or module.startswith("autoflash.")
 
 
 def fall_back(reason: str, to: str = "torch SDPA") -> None:

@@ -45,10 +45,10 @@ _FLOAT32_TINY, _FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127
 def unsupported_scale(scale: float | None) -> str | None:
     """Why the kernels cannot take this finite softmax scale (a call falls back), or None. Zero is
     taken where a kernel takes it at all (the forward refuses scales <= 0 on its own)."""
-    if scale is None or scale == 0 or _FLOAT32_TINY <= abs(scale) * LOG2E <= _FLOAT32_MAX:
-        return None
+    if scale is None or scale == 0 or (abs(scale) >= _FLOAT32_TINY and abs(scale) * LOG2E <= _FLOAT32_MAX):
+        return None  # (the scale itself and scale * log2(e) normal float32s: the backward takes the first)
     return (f"a softmax scale of {scale!r} is outside the kernels' float32 range "
-            f"(|scale| * log2(e) must lie in [{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}])")
+            f"(|scale| must lie in [{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX / LOG2E:.3g}])")
 
 
 def _check_int(name: str, value, low: int, high: int, power_of_two: bool = False) -> None:

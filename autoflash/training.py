@@ -99,7 +99,7 @@ def training_pair_for(winner, own_forward, own_backward, sm_scale: float, causal
 
 
 class _NotTwiceDifferentiable(torch.autograd.Function):
-    """A gradient handed out under create_graph=True, tied to q, k and v: differentiating it again
+    """A gradient handed out under create_graph=True, tied to q, k, v and the incoming gradient: differentiating it again
     raises. (`once_differentiable` ties its error node to no input, so `torch.autograd.grad(...,
     inputs)` prunes it and returns the gradient without the second-order term, silently.)"""
 
@@ -116,7 +116,8 @@ class _NotTwiceDifferentiable(torch.autograd.Function):
 def first_order(backward):
     """In place of `once_differentiable` on a Function's backward whose first three saved tensors are
     q, k, v: the backward runs without building a graph; under create_graph=True its gradients come
-    out tied to q, k, v, so a second derivative through them raises instead of dropping a term."""
+    out tied to q, k, v and the incoming gradients, so a second derivative through them raises
+    instead of dropping a term."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         create_graph = torch.is_grad_enabled()
@@ -124,7 +125,9 @@ def first_order(backward):
             outputs = backward(ctx, *grads)
         if not create_graph:
             return outputs
-        inputs = ctx.saved_tensors[:3]
+        # (tied to the incoming gradients too: a second derivative may reach its parameters through
+        # them alone, e.g. (attention(q, k, v) * w).sum() differentiated for w)
+        inputs = (*ctx.saved_tensors[:3], *(g for g in grads if isinstance(g, torch.Tensor)))
         return tuple(_NotTwiceDifferentiable.apply(g, *inputs) if isinstance(g, torch.Tensor) else g
                      for g in outputs)
     return wrapper

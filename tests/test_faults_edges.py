@@ -43,7 +43,7 @@ def test_zero_heads_give_an_empty_output_as_sdpa():
     assert out_fa.shape == (1, 5, 0, 16)
 
 
-@pytest.mark.parametrize("scale", [1e-40, 1e-45, 2.4e38, 3e38])
+@pytest.mark.parametrize("scale", [1e-40, 1e-45, 1.0e-38, 2.4e38, 3e38])
 def test_a_scale_outside_the_kernels_float32_range_falls_back_and_matches_sdpa(scale):
     assert unsupported_scale(scale) is not None
     q, k, v = _qkv()
@@ -86,6 +86,17 @@ def test_a_second_derivative_through_the_kernels_raises_instead_of_dropping_a_te
     gq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="not twice differentiable"):
         torch.autograd.grad(out.sum() + gq.square().sum(), v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_second_derivative_through_the_incoming_gradient_raises_too(device):
+    """The second derivative may reach its parameter only through the gradient that flowed into the
+    attention's backward (here w): it must raise as well, not drop the attention's term."""
+    q, k, v = _qkv(requires_grad=True, device=device)
+    w = torch.randn_like(q).requires_grad_()
+    dq, = torch.autograd.grad(((autoflash.attention(q, k, v) + q) * w).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(dq.square().sum(), w)
 
 
 @pytest.mark.parametrize("device", DEVICES)

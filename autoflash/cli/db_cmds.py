@@ -8,8 +8,8 @@ import json
 import click
 from rich.table import Table
 
-from autoflash.cli.common import (OPS, FriendlyGroup, check_output_path, console, db_file_option, one_line,
-                                  open_store, output_option)
+from autoflash.cli.common import (OPS, FriendlyGroup, check_output_path, console, database_in_the_way,
+                                  db_file_option, one_line, open_store, output_option)
 
 
 @click.group(cls=FriendlyGroup)
@@ -156,6 +156,9 @@ def db_export(db_file, fmt, table, op, current, output):
     if fmt == "sqlite":
         if output == "-":
             raise click.BadParameter("--format sqlite needs -o FILE", param_hint="'-o' / '--output'")
+        if (db := database_in_the_way(output)) and db != output:  # (another DB's -wal/-shm/journal)
+            raise click.BadParameter(f"{output} belongs to the SQLite database {db}: refusing to overwrite it",
+                                     param_hint="'-o' / '--output'")
         n = store.copy_winners_to(output, keep=keep)
         console.print(f"{n} winner(s) written to {output}")
         return

@@ -263,7 +263,7 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
     from autoflash.cli.common import open_store
     from autoflash.device import GPUFingerprint
     from autoflash.store_queries import measured_timings, trial_problem_keys
-    from autoflash.tuning.search_quality import search_quality
+    from autoflash.tuning.search_quality import NoOverlap, search_quality
 
     store = open_store(db_path, readonly=True)
     if problem_key:
@@ -281,8 +281,8 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
             continue
         device = GPUFingerprint(**{k: gpu[k] for k in GPUFingerprint.__dataclass_fields__})
         try:
-            q = search_quality(table, Problem.from_key(key), device, seeds, min(trials, len(table)), tolerance)
-        except ValueError as e:
+            q = search_quality(table, Problem.from_key(key), device, seeds, trials, tolerance)
+        except NoOverlap as e:
             console.print(f"[yellow]{one_line(e)}[/]")
             continue
         found = [x for x in q["tpe"] if x is not None]

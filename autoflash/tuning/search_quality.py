@@ -15,6 +15,10 @@ from autoflash.space import Variant, default_variant, load_space
 from autoflash.tuning.tuner import make_sampler
 
 
+class NoOverlap(ValueError):
+    """A sweep none of whose variants the current search space has."""
+
+
 def in_current_space(table: dict, space) -> dict:
     """A sweep's timings keyed as the current space names its variants: a knob added since the sweep
     takes its `[legacy]` value (the kernel the sweep measured); a row with a knob or a value the
@@ -80,8 +84,9 @@ def search_quality(table: dict, problem: Problem, device: GPUFingerprint, seeds:
 
     table = in_current_space(table, load_space(problem.op))
     if not table:
-        raise ValueError(f"{problem.key}: no recorded variant is one of the current {problem.op} search space's "
+        raise NoOverlap(f"{problem.key}: no recorded variant is one of the current {problem.op} search space's "
                          "(the sweep was made with other knobs)")
+    trials = min(trials, len(table))
     best = min(table.values())
     default = default_variant(problem.op, problem, device)
     tpe = [trials_to_reach(replay_search(table, problem, device, trials, seed, first=default), best, tolerance)

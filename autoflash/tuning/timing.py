@@ -93,6 +93,8 @@ def _spin_and_estimate(fn) -> tuple[int, float, float]:
 
 def _device_ms_interleaved(fns: dict, warmup_ms: float, rep_ms: float, max_reps: int) -> dict:
     names = list(fns)
+    if not names:
+        return {}
     est = {name: _spin_and_estimate(fns[name]) for name in names}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
     reps = max_reps

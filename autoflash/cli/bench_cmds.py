@@ -54,11 +54,11 @@ def _save(bench_mod, rows, methods, title, md_path, plot_path, base=None, json_p
 
         from autoflash.device import gpu_fingerprint
 
-        with open(json_path, "w") as f:
+        with click.open_file(json_path, "w") as f:  # ("-": standard output)
             json.dump(bench_mod.json_rows(rows, methods, metric, gpu_fingerprint()), f, indent=1)
         console.print(f"rows saved to {json_path}")
     if md_path:
-        with open(md_path, "w") as f:
+        with click.open_file(md_path, "w") as f:  # ("-": standard output)
             f.write(bench_mod.markdown_table(rows, methods, **extra) + "\n")
     if plot_path:
         bench_mod.plot(rows, methods, plot_path, title)
@@ -125,12 +125,12 @@ def _decode(device, rounds, interpret, md_path, json_path):
         t.add_row(*line)
     console.print(t)
     if md_path:
-        with open(md_path, "w") as f:
+        with click.open_file(md_path, "w") as f:  # ("-": standard output)
             f.write("\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                               + ["| " + " | ".join(line) + " |" for line in lines]) + "\n")
     if json_path:
         meta = {"gpu": device.name, "torch": device.torch_version, "triton": device.triton_version}
-        with open(json_path, "w") as f:
+        with click.open_file(json_path, "w") as f:  # ("-": standard output)
             json.dump([{**r, **meta} for r in rows], f, indent=1)
         console.print(f"rows saved to {json_path}")
 

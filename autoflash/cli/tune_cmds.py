@@ -114,7 +114,7 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
     if md_path:
         from rich.console import Console as _Console
 
-        with open(md_path, "w") as f:
+        with click.open_file(md_path, "w") as f:  # ("-": standard output)
             _Console(file=f, width=200, color_system=None).print(table)
     short = [r for r in results if r.cut_short]
     if short:
@@ -123,7 +123,8 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
                       f"measured candidates (fewest: {fewest}). Short searches miss good "
                       "variants: the same command with a larger --budget continues them (trials already in "
                       "the DB count).[/]")
-    elsewhere = [r for r in results if r.picked_by or r.status == "picking_elsewhere"]
+    # (a pick recorded elsewhere without a winner is a failed problem, said with the failures)
+    elsewhere = [r for r in results if (r.picked_by and r.winner is not None) or r.status == "picking_elsewhere"]
     if elsewhere:
         console.print(f"{len(elsewhere)} of {len(results)} winners were picked by another worker or an earlier run "
                       f"over the same trials ({', '.join(sorted({r.picked_by for r in elsewhere}))}): those of this "

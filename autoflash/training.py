@@ -99,9 +99,10 @@ def training_pair_for(winner, own_forward, own_backward, sm_scale: float, causal
 
 
 class _NotTwiceDifferentiable(torch.autograd.Function):
-    """A gradient handed out under create_graph=True, tied to q, k, v and the incoming gradient: differentiating it again
-    raises. (`once_differentiable` ties its error node to no input, so `torch.autograd.grad(...,
-    inputs)` prunes it and returns the gradient without the second-order term, silently.)"""
+    """A gradient handed out under create_graph=True, tied to q, k, v and the incoming gradient:
+    differentiating it again raises. (`once_differentiable` ties its error node to no input, so
+    `torch.autograd.grad(..., inputs)` prunes it and returns the gradient without the second-order
+    term, silently.)"""
 
     @staticmethod
     def forward(ctx, grad, *inputs):

@@ -97,11 +97,12 @@ def _device_ms_interleaved(fns: dict, warmup_ms: float, rep_ms: float, max_reps:
         return {}
     est = {name: _spin_and_estimate(fns[name]) for name in names}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    reps = max_reps
+    counts = []
     for spin, estimate_ms, _ in est.values():
         # Wall time of one repetition: the call, the spin (up to 2x its nominal length), the flush.
         per_rep_ms = estimate_ms + spin / SPIN_CYCLES_PER_US * 2e-3 + 0.1
-        reps = min(reps, int(max(10, min(max_reps, rep_ms / estimate_ms, 3 * rep_ms / per_rep_ms))))
+        counts.append(int(max(10, min(max_reps, rep_ms / estimate_ms, 3 * rep_ms / per_rep_ms))))
+    reps = min(counts)
     for name in names:
         _, estimate_ms, host_s = est[name]
         for _ in range(max(1, int(warmup_ms / max(estimate_ms, host_s * 1e3)))):  # (host-bound: by host time)

@@ -123,3 +123,12 @@ def test_recording_writes_a_shape_once_across_runs_of_the_model(tmp_path):
         record_shape(path, a)
         record_shape(path, b)
     assert [s.seqlen_q for s in load_shape_set(str(path))] == [16, 37]
+
+
+@pytest.mark.parametrize("content", [b"my notes\n", b"SQLite format 3\x00 and more"])
+def test_tune_storage_never_appends_to_a_file_that_is_no_journal(tmp_path, content):
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(content)
+    r = run("tune", "--interpret", "--trials", 1, "--shapes", "tiny", "--db", tmp_path / "t.db", "--storage", notes)
+    _one_line_error(r, "as an Optuna journal")
+    assert notes.read_bytes() == content

@@ -20,6 +20,7 @@ written as they happen; the studies only coordinate the search (see `autoflash.t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -85,11 +86,35 @@ def make_storage(storage: str | None, db_path) -> optuna.storages.BaseStorage:
     if not storage:
         return optuna.storages.JournalStorage(journal_backend(db_path))
     if not is_url(storage):
+        if reason := _not_a_journal(storage):
+            raise StorageError(f"cannot use {storage} as an Optuna journal: {reason} (name a new file, or one "
+                               "that an earlier `autoflash tune --storage` wrote)")
         try:
             return optuna.storages.JournalStorage(journal_file_backend(os.path.abspath(storage)))
         except OSError as e:
             raise StorageError(f"cannot use the journal file {storage}: {e.strerror or e}") from None
     return _rdb_storage(storage)
+
+
+def _not_a_journal(path: str) -> str | None:
+    """Why an existing file is no Optuna journal (whose lines are JSON objects), or None. Optuna
+    appends its records to whatever file it is given: a results DB or another text file would be
+    written into before the first read failed."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None  # (the journal backend says what is wrong with it)
+    if not first.strip():
+        return None
+    if first.startswith(b"SQLite format 3"):
+        return "it is an SQLite database"
+    try:
+        return None if isinstance(json.loads(first), dict) else "its first line is not a journal record"
+    except ValueError:
+        return "its first line is not a journal record"
 
 
 def _rdb_storage(given: str) -> optuna.storages.RDBStorage:

@@ -351,13 +351,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), contiguous.
     """
-    if type(dropout_p) in (int, float) and not dropout_p and all(
-            isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+    if _may_be_planned(q, k, v, dropout_p):
         # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
-        out = _repeat_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale, True,
-                           k.shape[1] - q.shape[1])
+        out = _planned_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal)
         if out is not None:
-            return out.transpose(1, 2).contiguous()
+            return out
     layout = "(batch, seqlen, heads, head_dim)"
     _validate(q, k, v, ("q", "k", "v"), layout)
     _check_heads(q.shape[2], k.shape[2], True, "q", "k")
@@ -381,10 +379,22 @@ def flash_attn_heads_first(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fa
     (transformers' attention functions receive them): the same semantics and result, (batch, seqlen_q,
     heads, headdim) contiguous. A repeated call goes straight to its plan: the six transposes of a
     round trip through `flash_attn_func` cost a model microseconds of host time per layer."""
-    if type(dropout_p) in (int, float) and not dropout_p and all(
-            isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        out = _repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2])
+    if _may_be_planned(q, k, v, dropout_p):
+        out = _planned_heads_first(q, k, v, softmax_scale, causal)
         if out is not None:
-            return out.transpose(1, 2).contiguous()
+            return out
     return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
                            softmax_scale=softmax_scale, causal=causal)
+
+
+def _may_be_planned(q, k, v, dropout_p) -> bool:
+    """A flash-attn-form call the repeated-signature memo may hold: 4-D tensors, no dropout."""
+    return type(dropout_p) in (int, float) and not dropout_p and all(
+        isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
+
+
+def _planned_heads_first(q, k, v, softmax_scale, causal):
+    """flash-attn semantics (bottom-right causal, GQA) on (B, H, N, D) views of a call planned
+    before: its output (B, N, H, D) contiguous; None for a new call."""
+    out = _repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2])
+    return None if out is None else out.transpose(1, 2).contiguous()

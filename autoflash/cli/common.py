@@ -117,13 +117,23 @@ def database_in_the_way(value: str) -> str | None:
     return next((c for c in candidates if _is_sqlite_file(c)), None)
 
 
+def refuse_database(value, replaces_databases: bool = False, param_hint: str | None = None) -> None:
+    """BadParameter where writing `value` would destroy a database (a results DB, a shipped DB) or
+    one of its companions; an output that writes a whole SQLite file itself (`replaces_databases`)
+    may replace another DB, never a DB's companion. '-' and None are not files."""
+    if value is None or value == "-" or not (db := database_in_the_way(value)):
+        return
+    if db == value and replaces_databases:
+        return
+    what = "is an SQLite database" if db == value else f"belongs to the SQLite database {db}"
+    raise click.BadParameter(f"{value} {what}: refusing to overwrite it (choose another file)", param_hint=param_hint)
+
+
 def check_output_path(ctx, param, value):
     """An output file's folder must exist (checked before any work is done); '-' is stdout. A text
-    or image output never replaces a database (a results DB, a shipped DB) or one of its companions."""
+    or image output never replaces a database or one of its companions (`refuse_database`)."""
     _check_output_folder(value)
-    if value is not None and value != "-" and (db := database_in_the_way(value)):
-        what = "is an SQLite database" if db == value else f"belongs to the SQLite database {db}"
-        raise click.BadParameter(f"{value} {what}: refusing to overwrite it (choose another file)")
+    refuse_database(value)
     return value
 
 

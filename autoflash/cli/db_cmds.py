@@ -8,8 +8,8 @@ import json
 import click
 from rich.table import Table
 
-from autoflash.cli.common import (OPS, FriendlyGroup, check_output_path, console, database_in_the_way,
-                                  db_file_option, one_line, open_store, output_option)
+from autoflash.cli.common import (OPS, FriendlyGroup, console, db_file_option, one_line, open_store,
+                                  output_option, refuse_database)
 
 
 @click.group(cls=FriendlyGroup)
@@ -156,14 +156,12 @@ def db_export(db_file, fmt, table, op, current, output):
     if fmt == "sqlite":
         if output == "-":
             raise click.BadParameter("--format sqlite needs -o FILE", param_hint="'-o' / '--output'")
-        if (db := database_in_the_way(output)) and db != output:  # (another DB's -wal/-shm/journal)
-            raise click.BadParameter(f"{output} belongs to the SQLite database {db}: refusing to overwrite it",
-                                     param_hint="'-o' / '--output'")
+        # (it replaces another DB whole; never a DB's -wal/-shm/journal)
+        refuse_database(output, replaces_databases=True, param_hint="'-o' / '--output'")
         n = store.copy_winners_to(output, keep=keep)
         console.print(f"{n} winner(s) written to {output}")
         return
-    if output != "-":  # (a JSON or CSV file in place of a DB, the source itself included, loses the DB)
-        check_output_path(None, None, output)
+    refuse_database(output, param_hint="'-o' / '--output'")  # (JSON or CSV in place of a DB, its source too)
     with click.open_file(output, "w") as f:
         if fmt == "json":
             json.dump(store.export_winners(keep=keep), f, indent=1, sort_keys=True)

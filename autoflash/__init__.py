@@ -8,8 +8,12 @@
 
 from autoflash._version import __version__  # noqa: E402
 
-from autoflash.api import attention, flash_attn_func  # noqa: E402
+from autoflash.api import attention  # noqa: E402
 from autoflash.decode import flash_attn_with_kvcache  # noqa: E402
-from autoflash.varlen import flash_attn_varlen_func  # noqa: E402
+from autoflash.flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func  # noqa: E402
+from autoflash.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,  # noqa: E402
+                              flash_attn_varlen_qkvpacked_func)
 
-__all__ = ["attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]
+__all__ = ["attention", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_with_kvcache", "__version__"]

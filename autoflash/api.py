@@ -15,93 +15,17 @@ import torch
 
 from autoflash import decode_kernels
 from autoflash.kernel_cache import KernelCacheError
-from autoflash.device import interpreter_enabled, interpreter_numpy_problem
+from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
-from autoflash.problem import unsupported_head_dim, unsupported_scale
-from autoflash.reference import sdpa_attention
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
+from autoflash.reference import torch_sdpa
+from autoflash.validate import (KERNEL_DTYPES, check_heads, check_numbers, check_sdpa_kinds,  # noqa: F401
+                                check_tensors, needs_autograd, unsupported_reason)
 
 _fallback = fall_back
-
-
-def _validate(q, k, v, names: tuple[str, str, str], layout: str) -> None:
-    """Raise ValueError for malformed input. `layout` names the expected 4-D shape."""
-    for t, name in zip((q, k, v), names):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
-    qn, kn, vn = names
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"{qn} must be a floating-point tensor (float16, bfloat16, float32, float64), got {q.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{qn}, {kn}, {vn} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"{kn} and {vn} must agree in batch, heads and seqlen {layout}, "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"{qn} and {kn} must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"{qn} and {kn} must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
-
-
-def _check_heads(hq: int, hkv: int, gqa_allowed: bool, qn: str, kn: str) -> None:
-    if hq == hkv:
-        return
-    if not gqa_allowed:
-        raise ValueError(f"{qn} has {hq} heads but {kn} has {hkv}: pass enable_gqa=True for grouped-query attention")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"{qn} heads ({hq}) must be a multiple of {kn} heads ({hkv}) for grouped-query attention")
-
-
-def _check_numbers(dropout_p, scale, scale_name: str) -> None:
-    """dropout_p a probability, scale a positive finite number (or None): else ValueError."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
-    if scale is None:
-        return
-    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and (scale.is_floating_point() or not scale.dtype.is_complex):
-        value = float(scale)
-    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        value = float(scale)
-    else:
-        raise ValueError(f"{scale_name} must be a finite number or None, got {scale!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{scale_name} must be a finite number or None, got {scale!r}")
-
-
-def _unsupported_reason(q, k, v, attn_mask, dropout_p, scale) -> str | None:
-    """Why the kernels cannot take this (valid) call, or None when they can."""
-    if scale is not None and not float(scale) > 0:
-        # The kernels scale scores after taking their row max, which needs a positive scale.
-        return "a softmax scale that is not positive is not supported by the kernels"
-    if scale is not None and (reason := unsupported_scale(float(scale))):
-        return reason
-    if attn_mask is not None:
-        return "an explicit attn_mask is not supported by the kernels"
-    if dropout_p > 0.0:
-        return "dropout_p > 0 is not supported by the kernels"
-    if q.dtype not in KERNEL_DTYPES:
-        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32 are)"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreter_enabled()):
-        return f"{q.device.type} tensors need a CUDA GPU (or CPU tensors with TRITON_INTERPRET=1)"
-    if interpreter_enabled() and q.dtype == torch.bfloat16:
-        return "bfloat16 is not computed correctly by Triton's CPU interpreter"
-    if interpreter_enabled() and (numpy_problem := interpreter_numpy_problem()):
-        return numpy_problem
-    d, dv = q.shape[-1], v.shape[-1]
-    if dv != d:
-        return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
-    if reason := unsupported_head_dim(d):
-        return reason
-    if q.numel() == 0 or k.numel() == 0:
-        return "an empty tensor (zero batch, heads, sequence or head dim)"
-    return None
+# (the checks live in `validate`, shared with the flash-attn forms, varlen and decode)
+_validate, _check_heads, _check_numbers = check_tensors, check_heads, check_numbers
+_unsupported_reason = unsupported_reason
 
 
 def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scale: float | None = None,
@@ -122,8 +46,7 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
     return out, lse
 
 
-def _needs_autograd(q, k, v) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+_needs_autograd = needs_autograd
 
 
 # The API's memos: a call's signature -> plan(q, k, v) -> out, one for inference calls and one for
@@ -299,7 +222,7 @@ def reset() -> None:
     get_dispatcher().reset()
 
 
-def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention`.
 
     Args:
@@ -311,6 +234,10 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         is_causal: causal mask aligned top-left, as SDPA (query i sees keys j <= i)
         scale: softmax scale, default 1/sqrt(headdim)
         enable_gqa: allow nheads_kv < nheads (grouped-query attention)
+    torch's argument kinds hold: `scale` and `enable_gqa` are keyword-only, `is_causal` and
+    `enable_gqa` bools (a TypeError otherwise). A call the kernels do not take runs torch's SDPA with
+    these very arguments, so its answer, and its refusals (an attn_mask with is_causal=True where
+    torch refuses it), are torch's.
     Returns:
         (batch_size, nheads, seqlen_q, headdim), dtype of query, in query's memory layout: a
         query that is a (batch, seqlen, heads, headdim) tensor seen through `.transpose(1, 2)`, as
@@ -319,82 +246,22 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         backends do not return contiguous outputs either). A query with gaps between its
         elements gives a contiguous output.
     """
-    if attn_mask is None and type(dropout_p) in (int, float) and not dropout_p:
+    if (attn_mask is None and type(dropout_p) in (int, float) and not dropout_p
+            and type(is_causal) is bool and type(enable_gqa) is bool):
         out = _repeat_call(query, key, value, is_causal, scale, enable_gqa)
         if out is not None:
             return out
+    check_sdpa_kinds(is_causal, enable_gqa)
     layout = "(batch, heads, seqlen, head_dim)"
     _validate(query, key, value, ("query", "key", "value"), layout)
     _check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
     _check_numbers(dropout_p, scale, "scale")
-    reason = _unsupported_reason(query, key, value, attn_mask, dropout_p, scale)
+    reason = _unsupported_reason(query, key, value, attn_mask, dropout_p, scale,
+                                 training=_needs_autograd(query, key, value))
     if reason is None:
         try:
             return _run(query, key, value, is_causal, 0, scale, enable_gqa)
         except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
             reason = f"no usable kernel cache ({e})"
     _fallback(reason)
-    return sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, 0, scale)
-
-
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
-    """Drop-in for flash-attn's `flash_attn_func` (forward).
-
-    Args:
-        q: (batch_size, seqlen_q, nheads, headdim)
-        k: (batch_size, seqlen_k, nheads_k, headdim); nheads_k divides nheads (MQA/GQA)
-        v: (batch_size, seqlen_k, nheads_k, headdim)
-        dropout_p: must be 0.0 for the kernels (falls back to torch SDPA otherwise)
-        softmax_scale: default 1/sqrt(headdim)
-        causal: causal mask aligned bottom-right, as flash-attn: query i sees keys
-            j <= i + seqlen_k - seqlen_q; a query row that sees no key returns 0
-    Returns:
-        out: (batch_size, seqlen_q, nheads, headdim), contiguous.
-    """
-    if _may_be_planned(q, k, v, dropout_p):
-        # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
-        out = _planned_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal)
-        if out is not None:
-            return out
-    layout = "(batch, seqlen, heads, head_dim)"
-    _validate(q, k, v, ("q", "k", "v"), layout)
-    _check_heads(q.shape[2], k.shape[2], True, "q", "k")
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    offset = k.shape[1] - q.shape[1]
-    _check_numbers(dropout_p, softmax_scale, "softmax_scale")
-    reason = _unsupported_reason(qt, kt, vt, None, dropout_p, softmax_scale)
-    if reason is None:
-        try:
-            # The kernels write the output in q's memory layout, so (B, N, H, D) inputs give a
-            # (B, N, H, D) result with no copy.
-            return _run(qt, kt, vt, causal, offset, softmax_scale, True).transpose(1, 2).contiguous()
-        except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
-            reason = f"no usable kernel cache ({e})"
-    _fallback(reason)
-    return sdpa_attention(qt, kt, vt, None, dropout_p, causal, offset, softmax_scale).transpose(1, 2).contiguous()
-
-
-def flash_attn_heads_first(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
-    """`flash_attn_func` on (batch, heads, seqlen, headdim) views, the layout attention layers hold
-    (transformers' attention functions receive them): the same semantics and result, (batch, seqlen_q,
-    heads, headdim) contiguous. A repeated call goes straight to its plan: the six transposes of a
-    round trip through `flash_attn_func` cost a model microseconds of host time per layer."""
-    if _may_be_planned(q, k, v, dropout_p):
-        out = _planned_heads_first(q, k, v, softmax_scale, causal)
-        if out is not None:
-            return out
-    return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
-                           softmax_scale=softmax_scale, causal=causal)
-
-
-def _may_be_planned(q, k, v, dropout_p) -> bool:
-    """A flash-attn-form call the repeated-signature memo may hold: 4-D tensors, no dropout."""
-    return type(dropout_p) in (int, float) and not dropout_p and all(
-        isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
-
-
-def _planned_heads_first(q, k, v, softmax_scale, causal):
-    """flash-attn semantics (bottom-right causal, GQA) on (B, H, N, D) views of a call planned
-    before: its output (B, N, H, D) contiguous; None for a new call."""
-    out = _repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2])
-    return None if out is None else out.transpose(1, 2).contiguous()
+    return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

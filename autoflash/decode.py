@@ -18,13 +18,15 @@ import math
 
 import torch
 
-from autoflash import api
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back  # noqa: F401 (re-exported for callers)
 from autoflash.decode_kernels import launch
 from autoflash.decode_validate import validate_kvcache
 from autoflash.device import interpreter_enabled
+from autoflash.eager import eager_attention
 from autoflash.problem import unsupported_head_dim, unsupported_scale
 from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
+from autoflash.reference import dense_cache
+from autoflash.validate import KERNEL_DTYPES, check_alibi, check_flag, check_softcap, check_window
 
 
 # --------------------------------------------------------------------------- fallback
@@ -35,7 +37,7 @@ def _fallback(reason: str) -> None:
 def _unsupported_reason(q: torch.Tensor, scale: float) -> str | None:
     if reason := unsupported_scale(scale):
         return reason
-    if q.dtype not in api.KERNEL_DTYPES:
+    if q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype} is not supported (float16, bfloat16, float32 are)"
     if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreter_enabled()):
         return f"{q.device.type} tensors need a CUDA GPU (or CPU tensors with TRITON_INTERPRET=1)"
@@ -60,10 +62,13 @@ def _append(k_cache, v_cache, k, v, seqlens, block_table) -> None:
 
 
 # --------------------------------------------------------------------------- public functions
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                            softmax_scale=None, causal=False, *, num_splits=0, return_softmax_lse=False,
-                            variant=None):
-    """Drop-in for flash-attn's `flash_attn_with_kvcache` (no rotary, no alibi, no window).
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, variant=None):
+    """Drop-in for flash-attn's `flash_attn_with_kvcache` (flash-attn 2.8's signature and positional
+    order). Not served yet, refused with a `FallbackError` naming them: rotary_cos/rotary_sin,
+    cache_batch_idx, cache_leftpad. A window, softcap or ALiBi slopes run in torch (one warning).
 
     Args:
         q: (batch_size, seqlen_q, nheads, headdim); seqlen_q 1 for decoding, a few for speculative decoding
@@ -78,6 +83,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         softmax_scale: default 1/sqrt(headdim)
         causal: bottom-right aligned, as flash-attn: query i sees keys j <= i + seqlen_k - seqlen_q,
             seqlen_k = cache_seqlens + seqlen_new.
+        window_size, softcap, alibi_slopes: as `flash_attn_func`, positions aligned as causal
         num_splits: KV splits (0: the variant's choice, by default the SM-count heuristic).
         return_softmax_lse: also return the log-sum-exp, (batch_size, nheads, seqlen_q) float32.
         variant: knob overrides for tests and tuning (see search_spaces/attn_decode.toml).
@@ -85,8 +91,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         out (batch_size, seqlen_q, nheads, headdim), in q's memory layout; (out, lse) with
         return_softmax_lse. Not differentiable (as flash-attn's).
     """
+    _refuse_unserved(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                     cache_leftpad=cache_leftpad)
+    check_flag("rotary_interleaved", rotary_interleaved)
     seqlens, new = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
                                     causal, num_splits)
+    window, softcap = check_window(window_size), check_softcap(softcap)
+    check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    variants = [name for name, used in (("window_size", window != (-1, -1)), ("softcap", softcap > 0),
+                                        ("alibi_slopes", alibi_slopes is not None)) if used]
     batch, q_len, heads, head_dim = q.shape
     # (head dim 0: nothing to scale; the empty output is returned as it is)
     scale = (1.0 / math.sqrt(head_dim) if head_dim else 1.0) if softmax_scale is None else float(softmax_scale)
@@ -94,6 +107,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if new:
             _append(k_cache, v_cache, k, v, seqlens, block_table)
         total = seqlens if not new and seqlens.is_contiguous() else (seqlens + new).to(torch.int32).contiguous()
+        if variants:
+            fall_back(f"{', '.join(variants)} (not served by the decode kernels yet)", to="torch (autoflash.eager)")
+            out, lse = _eager_decode(q, k_cache, v_cache, total, block_table, scale, causal, window, softcap,
+                                     alibi_slopes)
+            return (out, lse) if return_softmax_lse else out
         reason = _unsupported_reason(q, scale) if q.numel() else None
         if reason is not None:
             _fallback(reason)
@@ -104,3 +122,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if q.numel():
             launch(q, k_cache, v_cache, out, lse, scale, causal, total, block_table, num_splits, variant)
     return (out, lse) if return_softmax_lse else out
+
+
+def _refuse_unserved(**arguments) -> None:
+    """flash-attn arguments autoflash does not serve yet: accepted at their default (None), refused
+    by name otherwise (never ignored)."""
+    for name, value in arguments.items():
+        if value is not None:
+            raise FallbackError(f"flash_attn_with_kvcache: {name} is not served by autoflash yet; apply it before "
+                                f"the call (e.g. rotary embeddings to q and k) or pass None")
+
+
+def _eager_decode(q, k_cache, v_cache, total, block_table, scale, causal, window, softcap, alibi_slopes):
+    """The variants in torch on the caches' dense view: (out (B, Q, H, D), lse (B, H, Q))."""
+    k, v = dense_cache(k_cache, v_cache, block_table)
+    out, lse = eager_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, causal=causal,
+                               offset=total.long() - q.shape[1], window=window, softcap=softcap,
+                               alibi_slopes=alibi_slopes, key_length=total)
+    return out.transpose(1, 2), lse

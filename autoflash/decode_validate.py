@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from autoflash import api
+from autoflash.validate import check_numbers
 
 def _tensor(t, name: str, dim: int, layout: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -105,7 +105,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, soft
         _index_tensor(cache_seqlens, "cache_seqlens", 1, "(batch,)", q.device)
         if cache_seqlens.shape[0] != batch:
             raise ValueError(f"cache_seqlens must have q's batch size {batch}, got shape {tuple(cache_seqlens.shape)}")
-    api._check_numbers(0.0, softmax_scale, "softmax_scale")
+    check_numbers(0.0, softmax_scale, "softmax_scale")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
@@ -208,7 +208,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         longest = max((b - a for a, b in zip(values, values[1:])), default=0)
         if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < longest:
             raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {m!r}")
-    api._check_numbers(0.0, softmax_scale, "softmax_scale")
+    check_numbers(0.0, softmax_scale, "softmax_scale")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
     return cus

@@ -51,3 +51,17 @@ def fall_back(reason: str, to: str = "torch SDPA") -> None:
         warned_reasons.add(key)
         warnings.warn(f"autoflash: falling back to {to}: {reason}", FallbackWarning,
                       stacklevel=_first_frame_outside_package())
+
+
+def ignored(argument: str, where: str) -> None:
+    """An argument autoflash does not know arrived and is not used: one warning per argument (a
+    `FallbackError` under AUTOFLASH_STRICT=1), never dropped without a word."""
+    if strict_mode():
+        raise FallbackError(f"{where} does not know the argument {argument!r} and cannot serve it "
+                            "(AUTOFLASH_STRICT=1 turns this into an error)")
+    key = f"ignored: {where}: {argument}"
+    if key not in warned_reasons:
+        warned_reasons.add(key)
+        warnings.warn(f"autoflash: {where} does not know the argument {argument!r}: it is ignored; if it changes "
+                      "attention's result, the answer is not that of the model's eager attention",
+                      FallbackWarning, stacklevel=_first_frame_outside_package())

@@ -218,3 +218,24 @@ def geomean(values) -> float:
     if not values:
         return float("nan")
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+# The backward recomputes each probability as exp2(s * scale * log2(e) - lse) from the forward's
+# float32 log-sum-exp, whose rounding (about |lse| * 2^-23) grows with the size of the logits: at large
+# scales the gradients drift from float64 where torch's own float32 error does not (a nearly one-hot
+# softmax is exact in torch). Measured in the interpreter with unit-variance inputs (d16-d64, causal and
+# not): float32 gradients stay within 3x torch's float32 error up to scale * sqrt(head_dim) = 8 and
+# leave it from ~30 (dv 30x torch's at 1e3, -inf at 1e30); float16/bfloat16 inputs carry ~1e3 times
+# more error of their own. Differentiable calls above these bounds run in torch (forward-only calls
+# are right at any scale the kernels take).
+TRAINING_SCALE_BOUND = {"float32": 8.0, "float16": 64.0, "bfloat16": 64.0}
+
+
+def unsupported_training_scale(scale: float, head_dim: int, dtype: str) -> str | None:
+    """Why the backward kernels cannot take this scale for these inputs (a call falls back), or None."""
+    bound = TRAINING_SCALE_BOUND.get(dtype)
+    if bound is None or abs(scale) * max(1, head_dim) ** 0.5 <= bound:
+        return None
+    return (f"a softmax scale of {scale:.3g} with head dim {head_dim} ({dtype}) in a differentiable call: "
+            f"the backward's float32 log-sum-exp loses the gradients' precision above scale * sqrt(head_dim) "
+            f"= {bound:g}")

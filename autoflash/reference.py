@@ -116,6 +116,21 @@ def sdpa_attention(q, k, v, attn_mask, dropout_p, causal, causal_offset, scale):
                                           is_causal=causal, scale=scale)
 
 
+def torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """torch's SDPA with exactly these arguments (`autoflash.attention`'s fallback): its answer and
+    its refusals are torch's, whatever backend torch picks for them."""
+    import torch.nn.functional as F
+
+    if scale is not None and not float(scale) > 0:  # (see sdpa_attention: NaN from the default backend)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                                  enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
 def sdpa_grads(q, k, v, grad, causal, offset, scale):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     sdpa_attention(*leaves, None, 0.0, causal, offset, scale).backward(grad)
@@ -137,6 +152,17 @@ def sdpa_backend(name: str):
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name.removeprefix("sdpa_")]
 
 
+def dense_cache(k_cache, v_cache, block_table):
+    """(k, v) (B, N, H_kv, D) of a contiguous cache (as it is) or a paged one (its pages gathered in
+    order; entries past a sequence's pages are clamped to a valid page, to be masked by length)."""
+    if block_table is None:
+        return k_cache, v_cache
+    page = k_cache.shape[1]
+    pos = torch.arange(page * block_table.shape[1], device=k_cache.device)
+    pages = block_table[:, pos // page].long().clamp(0, k_cache.shape[0] - 1)
+    return k_cache[pages, pos % page], v_cache[pages, pos % page]
+
+
 def decode_reference(q, k_cache, v_cache, seqlens, block_table, scale: float, causal: bool):
     """Decode attention in torch (the fallback of `flash_attn_with_kvcache`, and in float64 the
     decode gate's reference): (out (B, Q, H, D), lse (B, H, Q) float32, +inf for rows with no key).
@@ -145,13 +171,7 @@ def decode_reference(q, k_cache, v_cache, seqlens, block_table, scale: float, ca
     batch, q_len, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if block_table is not None:
-        page = k_cache.shape[1]
-        pos = torch.arange(page * block_table.shape[1], device=q.device)
-        pages = block_table[:, pos // page].long().clamp(0, k_cache.shape[0] - 1)  # unused entries: masked
-        k, v = k_cache[pages, pos % page], v_cache[pages, pos % page]
-    else:
-        k, v = k_cache, v_cache
+    k, v = dense_cache(k_cache, v_cache, block_table)
     qf = q.to(dtype).reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim)
     s = torch.einsum("bqhgd,bnhd->bhgqn", qf, k.to(dtype)) * scale
     j = torch.arange(k.shape[1], device=q.device)

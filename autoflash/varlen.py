@@ -8,8 +8,9 @@ sequence's bounds from cu_seqlens and exits when its tile starts past that seque
 dense problem of the longest sequence (its own family, else the default one: `Dispatcher.varlen_kernel_for`).
 
 Calls the kernels do not take (a dtype, device or head dim they do not support, a non-positive
-scale) run sequence by sequence through `flash_attn_func`, which falls back to torch SDPA with one
-warning per reason (`AUTOFLASH_STRICT=1`: an error).
+scale, dropout, a window, softcap, ALiBi, a deterministic backward) run sequence by sequence through
+`flash_attn_func`, which runs them in torch with one warning per reason (`AUTOFLASH_STRICT=1`: an
+error). A paged K/V (`block_table`) is gathered into packed tensors first.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import math
 
 import torch
 
-from autoflash import api
 from autoflash.decode_validate import validate_varlen
 from autoflash.dispatch import get_dispatcher
+from autoflash.flash_attn import flash_attn_func
 from autoflash.training import first_order
+from autoflash.validate import (check_alibi, check_flag, check_numbers, check_softcap, check_window,
+                                needs_autograd, unsupported_reason)
 
 
 def _packed_views(*tensors):
@@ -40,11 +43,12 @@ class VarlenAttention(torch.autograd.Function):
         kernel.forward_varlen(q, k, v, out, lse, cu_q, cu_k, max_q, sm_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, sm_scale, causal)
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     @first_order
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):  # (the LSE is an output for the caller, not differentiable)
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, sm_scale, causal = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -55,7 +59,8 @@ class VarlenAttention(torch.autograd.Function):
 
 def _kernels_take(q, k, v, softmax_scale) -> bool:
     """The packed kernels take this call (dtype, device, head dims, scale): else sequence by sequence."""
-    return api._unsupported_reason(q[None], k[None], v[None], None, 0.0, softmax_scale) is None
+    return unsupported_reason(q[None], k[None], v[None], None, 0.0, softmax_scale,
+                              training=needs_autograd(q, k, v)) is None
 
 
 class _NoAttention(torch.autograd.Function):
@@ -71,51 +76,138 @@ class _NoAttention(torch.autograd.Function):
         return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
 
 
-def _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal):
-    """Sequence by sequence through `flash_attn_func` (its fallbacks included), on views."""
-    outs = []
+def _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal, extras: dict, return_lse: bool):
+    """Sequence by sequence through `flash_attn_func` (its fallbacks included), on views: (out, lse
+    (H, total_q) or None). `extras`: flash-attn's dropout_p, window_size, softcap, alibi_slopes (a
+    (batch, H) one is sliced per sequence) and deterministic."""
+    outs, lses = [], []
+    alibi = extras.get("alibi_slopes")
     for i in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
         if q1 == q0:
             continue
         if k1 == k0:  # (zeros with zero gradients, not a piece cut off from the graph)
             outs.append(_NoAttention.apply(q[q0:q1], k[k0:k1], v[k0:k1]))
+            lses.append(q.new_full((q.shape[1], q1 - q0), float("inf"), dtype=torch.float32))
             continue
-        outs.append(api.flash_attn_func(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
-                                        softmax_scale=softmax_scale, causal=causal)[0])
+        seq_extras = {**extras, "alibi_slopes": alibi[i] if alibi is not None and alibi.dim() == 2 else alibi}
+        result = flash_attn_func(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
+                                 softmax_scale=softmax_scale, causal=causal, return_attn_probs=return_lse, **seq_extras)
+        out, lse = (result[0], result[1]) if return_lse else (result, None)
+        outs.append(out[0])
+        lses.append(None if lse is None else lse[0])
+    lse = None
+    if return_lse:
+        lse = torch.cat(lses, dim=1) if lses else q.new_full((q.shape[1], 0), float("inf"), dtype=torch.float32)
     if not outs:
-        return _NoAttention.apply(q, k, v)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return _NoAttention.apply(q, k, v), lse
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)), lse
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                           causal=False):
-    """Drop-in for flash-attn's `flash_attn_varlen_func` (forward and backward; no dropout/window).
+def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
+    """Packed (total_k, H_kv, D) keys and values of a paged cache: sequence b's tokens are the first
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] of its pages block_table[b] (a copy; gradients reach the pages)."""
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4 or not isinstance(v_cache, torch.Tensor) \
+            or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError("with block_table, k and v must be paged caches (num_blocks, page_block_size, nheads_k, "
+                         "headdim) agreeing in their first three dims")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError("block_table must be an int32 tensor (batch_size, max_num_blocks_per_seq)")
+    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.shape != (block_table.shape[0] + 1,):
+        raise ValueError(f"cu_seqlens_k must have batch_size + 1 = {block_table.shape[0] + 1} entries with block_table")
+    page, lengths = k_cache.shape[1], cu_seqlens_k.diff().tolist()
+    if any(n < 0 or n > page * block_table.shape[1] for n in lengths):
+        raise ValueError(f"cu_seqlens_k asks for more tokens than block_table's {block_table.shape[1]} pages of "
+                         f"{page} hold: lengths {lengths}")
+    pages = [block_table[b, :-(-n // page)].long() for b, n in enumerate(lengths)]
+    used = torch.cat(pages) if pages else block_table.new_zeros(0).long()
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[0]):
+        raise ValueError(f"block_table holds page indices outside [0, {k_cache.shape[0]})")
+    packed = [torch.cat([c[p].flatten(0, 1)[:n] for p, n in zip(pages, lengths)]) for c in (k_cache, v_cache)]
+    return packed[0], packed[1]
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """Drop-in for flash-attn's `flash_attn_varlen_func` (flash-attn 2.8's signature and positional order).
 
     Args:
         q: (total_q, nheads, headdim), the batch's sequences packed one after another
-        k, v: (total_k, nheads_k, headdim); nheads_k divides nheads (MQA/GQA)
+        k, v: (total_k, nheads_k, headdim); nheads_k divides nheads (MQA/GQA); with block_table,
+            paged caches (num_blocks, page_block_size, nheads_k, headdim)
         cu_seqlens_q, cu_seqlens_k: int32 (batch_size + 1,): offsets, starting at 0, non-decreasing,
             ending at total_q / total_k
         max_seqlen_q, max_seqlen_k: ints >= the longest query / key sequence
-        softmax_scale: default 1/sqrt(headdim)
-        causal: bottom-right aligned per sequence, as flash-attn
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic: as
+            `flash_attn_func`, per sequence (bottom-right aligned per sequence)
+        return_attn_probs: also return the log-sum-exp, (nheads, total_q) float32
+        block_table: optional int32 (batch_size, max_num_blocks_per_seq): k, v are pages
     Returns:
-        out: (total_q, nheads, headdim). Differentiable w.r.t. q, k, v. A query sequence with no
-        key gives 0 (and zero gradients).
+        out: (total_q, nheads, headdim); (out, softmax_lse, None) with return_attn_probs.
+        Differentiable w.r.t. q, k, v. A query sequence with no key gives 0 (and zero gradients).
 
     Validation reads cu_seqlens on the host (one sync per call): offsets that do not match the
     tensors are a ValueError, never an out-of-bounds read.
     """
+    if block_table is not None:
+        k, v = _gather_pages(k, v, block_table, cu_seqlens_k)
     cu_q, cu_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale, causal)
+    return_lse = check_flag("return_attn_probs", return_attn_probs)
+    # (a deterministic backward matters only where there is one: the forward kernels are deterministic)
+    deterministic = check_flag("deterministic", deterministic) and needs_autograd(q, k, v)
+    extras = _extras(q, cu_q, dropout_p, window_size, softcap, alibi_slopes, deterministic)
+    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, causal, extras, return_lse)
+    return (out, lse, None) if return_lse else out
+
+
+def _extras(q, cu_q, dropout_p, window_size, softcap, alibi_slopes, deterministic) -> dict:
+    """flash-attn's arguments beyond the kernels', checked: {} when every one is at its default."""
+    check_numbers(dropout_p, None, "softmax_scale")
+    extras = {"dropout_p": dropout_p, "window_size": check_window(window_size), "softcap": check_softcap(softcap),
+              "alibi_slopes": alibi_slopes, "deterministic": deterministic}
+    check_alibi(alibi_slopes, len(cu_q) - 1, q.shape[1], q.device)
+    default = {"dropout_p": 0, "window_size": (-1, -1), "softcap": 0.0, "alibi_slopes": None, "deterministic": False}
+    return {} if all(extras[name] is value or extras[name] == value for name, value in default.items()) else extras
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, causal, extras: dict, return_lse: bool):
+    """(out, lse (H, total_q) or None) of a validated call."""
     if q.shape[0] == 0 or k.shape[0] == 0:
-        return _NoAttention.apply(q, k, v)
-    if not _kernels_take(q, k, v, softmax_scale):
-        return _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal)
+        lse = q.new_full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32) if return_lse else None
+        return _NoAttention.apply(q, k, v), lse
+    if extras or not _kernels_take(q, k, v, softmax_scale):
+        return _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal, extras, return_lse)
     longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     # The grid spans the longest sequences actually present (max_seqlen_* may be larger).
-    return VarlenAttention.apply(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest_q, longest_k,
-                                 sm_scale, causal)
+    out, lse = VarlenAttention.apply(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest_q,
+                                     longest_k, sm_scale, causal)
+    return out, (lse if return_lse else None)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn's `flash_attn_varlen_qkvpacked_func`: qkv (total, 3, nheads, headdim); the rest as
+    `flash_attn_varlen_func` with the same offsets for queries and keys."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be a tensor (total, 3, nheads, headdim), got "
+                         f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's `flash_attn_varlen_kvpacked_func`: kv (total_k, 2, nheads_k, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be a tensor (total_k, 2, nheads_k, headdim), got "
+                         f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import autoflash
-from autoflash import api
+from autoflash import api, flash_attn
 from autoflash.reference import reference, rel_error
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -341,7 +341,7 @@ def test_flash_attn_heads_first_is_flash_attn_func_on_heads_first_views(nq, nk, 
     want = autoflash.flash_attn_func(q, k, v, causal=causal)
     grads_want = torch.autograd.grad(want.square().sum(), (q, k, v))
     for _ in range(2):
-        got = api.flash_attn_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        got = flash_attn.flash_attn_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want)
         for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), grads_want):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from autoflash import api, codegen, decode, decode_kernels
+from autoflash import api, codegen, decode, decode_kernels, flash_attn
 from autoflash.api import FallbackError, FallbackWarning
 from autoflash.decode import flash_attn_with_kvcache
 from autoflash.varlen import flash_attn_varlen_func
@@ -434,7 +434,7 @@ def test_short_queries_through_the_api_run_the_decode_kernels(q_len, causal, mon
     g = torch.Generator().manual_seed(q_len)
     q = torch.randn(2, q_len, 8, 32, generator=g)
     k, v = (torch.randn(2, 77, 2, 32, generator=g) for _ in range(2))
-    out = api.flash_attn_func(q, k, v, causal=causal)  # bottom-right causal, GQA 8/2, (B, N, H, D)
+    out = flash_attn.flash_attn_func(q, k, v, causal=causal)  # bottom-right causal, GQA 8/2, (B, N, H, D)
     ref, _ = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, 77 - q_len, 32 ** -0.5)
     assert launched and (out.transpose(1, 2) - ref).abs().max() < 1e-4
     if not causal:  # the SDPA form (top-left causal never routes here: it differs from bottom-right)

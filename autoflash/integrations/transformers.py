@@ -11,32 +11,113 @@ own flash-attention / hub loader, which fails for a registered function.
 
 The mask function is transformers' SDPA mask: it returns None for a plain causal (or full) batch,
 and then the kernels run causal attention themselves (aligned bottom-right, so a query chunk
-attending to a longer cache is right too); with padding it returns a boolean mask, and that call
-goes to torch SDPA through autoflash's fallback (one warning; an error under AUTOFLASH_STRICT=1).
-Causality is never dropped.
+attending to a longer cache is right too); with padding (or a sliding window that binds) it returns
+a boolean mask, and that call goes to torch through autoflash's fallback (one warning; an error
+under AUTOFLASH_STRICT=1). Causality is never dropped.
+
+Every keyword transformers' models pass to an attention function (transformers 5.17-5.25: read
+from their `attention_interface(...)` calls) is served, or known not to change the result
+(`HARMLESS`): `scaling`, `dropout`, `is_causal`, `sliding_window`, `softcap` (Gemma-2), `s_aux` /
+`sinks` (gpt-oss's learned sinks, per-query sinks), `position_bias` (an additive bias),
+`deterministic`, and packed sequences as `cu_seq_lens_q/k` (+ `max_length_q/k`). Variants the
+kernels do not compute yet run in torch (`autoflash.eager`, transformers' eager semantics) with one
+warning. Any other keyword with a value is never dropped silently: one warning, an error under
+AUTOFLASH_STRICT=1.
 """
 
 from __future__ import annotations
 
+import torch
+
 import autoflash
-from autoflash.api import flash_attn_heads_first
+from autoflash.eager import eager_attention
+from autoflash.fallback import fall_back, ignored
+from autoflash.flash_attn import flash_attn_func, flash_attn_heads_first
+from autoflash.validate import needs_autograd
 
 NAME = "triton_autotuned"
 
+# Keywords that do not change attention's result here: positions are applied to q/k (rotary) before
+# the call, packed sequences reach it as a mask (or as cu_seq_lens, served), the rest are outputs'
+# or other layers' switches.
+HARMLESS = frozenset({
+    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "output_attentions",
+    "output_hidden_states", "output_router_logits", "num_items_in_batch", "return_dict", "seq_idx", "target_dtype",
+    "layer_idx", "max_length_q", "max_length_k",
+})
+
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      is_causal=None, **kwargs):
+                      is_causal=None, sliding_window=None, softcap=None, s_aux=None, sinks=None, position_bias=None,
+                      deterministic=None, cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
     """transformers' attention signature: query (B, H, Nq, D), key/value (B, H_kv, Nk, D);
     returns (output (B, Nq, H, D), None)."""
+    for name, value_ in kwargs.items():
+        if value_ is not None and name not in HARMLESS:
+            ignored(name, "autoflash's transformers attention")
     dropout = dropout if getattr(module, "training", False) else 0.0
+    sinks = s_aux if s_aux is not None else sinks
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(is_causal) and query.shape[2] > 1  # a single decoding query sees the whole cache
+    deterministic = bool(deterministic) and needs_autograd(query, key, value, sinks, position_bias)
+    window = (-1, -1)
+    if sliding_window is not None and attention_mask is None:  # (a mask holds the window when it binds)
+        window = (sliding_window - 1, -1 if causal else sliding_window - 1)
+    documents = _documents(query, attention_mask, cu_seq_lens_q, cu_seq_lens_k)
+    if documents is not None and sinks is None and position_bias is None:
+        out = autoflash.flash_attn_varlen_func(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), documents[0], documents[1],
+            query.shape[2], key.shape[2], dropout, scaling, causal, window, softcap or 0.0, None, deterministic)
+        return out[None], None
+    if documents is not None:  # the documents as a mask: each query sees the keys of its own document
+        attention_mask = _document_mask(*documents, query.shape[2], key.shape[2], causal)
+    if sinks is not None or position_bias is not None or (attention_mask is not None and (
+            softcap or deterministic or window != (-1, -1))):
+        used = [n for n, v in (("sinks", sinks), ("position_bias", position_bias), ("softcap", softcap)) if v is not None]
+        fall_back(f"{', '.join(used) or 'a mask with a variant'} (not served by the kernels yet)",
+                  to="torch (autoflash.eager)")
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out, _ = eager_attention(query, key, value, scale=scale, causal=causal and attention_mask is None,
+                                 offset=key.shape[2] - query.shape[2], window=window, softcap=softcap or 0.0,
+                                 sinks=sinks, bias=position_bias, mask=attention_mask, dropout_p=dropout)
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         out = autoflash.attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
                                   enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(is_causal) and query.shape[2] > 1  # a single decoding query sees the whole cache
+    if softcap or deterministic or window != (-1, -1):
+        out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout, scaling,
+                              causal, window, softcap or 0.0, None, deterministic)
+        return out, None
     out = flash_attn_heads_first(query, key, value, dropout_p=dropout, softmax_scale=scaling, causal=causal)
     return out, None
+
+
+def _documents(query, attention_mask, cu_q, cu_k):
+    """(cu_seqlens_q, cu_seqlens_k) int32 of a packed batch (one row of several documents) that no
+    mask describes, else None (a mask holds the packing when transformers builds one)."""
+    if attention_mask is not None or cu_q is None or query.shape[0] != 1:
+        return None
+    cu_k = cu_q if cu_k is None else cu_k
+    if cu_q.numel() <= 2 and cu_k.numel() <= 2:  # one document: plain attention
+        return None
+    return cu_q.to(torch.int32), cu_k.to(torch.int32)
+
+
+def _document_mask(cu_q, cu_k, n_q: int, n_k: int, causal: bool):
+    """(n_q, n_k) bool: query i sees key j iff both lie in the same document (and, when causal, j's
+    place in it is at most i's, aligned bottom-right per document as the packed kernels)."""
+    device = cu_q.device
+    cu_q, cu_k = cu_q.long(), cu_k.to(device).long()
+    doc_q = torch.bucketize(torch.arange(n_q, device=device), cu_q[1:], right=True)
+    doc_k = torch.bucketize(torch.arange(n_k, device=device), cu_k[1:], right=True)
+    mask = doc_q[:, None] == doc_k[None, :]
+    if causal:  # key j's place in its document <= query i's place + (keys - queries of i's document)
+        pos_q = torch.arange(n_q, device=device) - cu_q[doc_q]
+        pos_k = torch.arange(n_k, device=device) - cu_k[doc_k]
+        shift = (cu_k.diff() - cu_q.diff())[doc_q]
+        mask &= pos_k[None, :] <= (pos_q + shift)[:, None]
+    return mask
 
 
 def register(name: str = NAME) -> str:

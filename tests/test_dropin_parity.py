@@ -1,0 +1,237 @@
+"""The flash-attn drop-ins take flash-attn 2.8's arguments in its positional order: each called
+positionally, every argument at a non-default value, gives a float64 reference's answer or a clear
+error (never the answer of another argument's place). CPU: Triton's interpreter, float32."""
+
+import inspect
+import math
+import warnings
+
+import pytest
+import torch
+
+import autoflash
+from autoflash import api
+from autoflash.fallback import FallbackError, FallbackWarning
+
+pytestmark = pytest.mark.interpreter
+
+# flash-attn 2.8's public signatures (flash_attn_interface.py), in order.
+FA_DENSE = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+            "return_attn_probs"]
+SIGNATURES = {
+    "flash_attn_func": ["q", "k", "v", *FA_DENSE],
+    "flash_attn_qkvpacked_func": ["qkv", *FA_DENSE],
+    "flash_attn_kvpacked_func": ["q", "kv", *FA_DENSE],
+    "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                               *FA_DENSE, "block_table"],
+    "flash_attn_varlen_qkvpacked_func": ["qkv", "cu_seqlens", "max_seqlen", *FA_DENSE],
+    "flash_attn_varlen_kvpacked_func": ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                                        *FA_DENSE],
+    "flash_attn_with_kvcache": ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                                "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+                                "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+                                "return_softmax_lse"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_positional_order_is_flash_attns(name):
+    params = inspect.signature(getattr(autoflash, name)).parameters.values()
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == SIGNATURES[name]
+
+
+def test_sdpa_form_keeps_torchs_keyword_only_arguments():
+    params = inspect.signature(autoflash.attention).parameters
+    torch_kinds = {"scale": inspect.Parameter.KEYWORD_ONLY, "enable_gqa": inspect.Parameter.KEYWORD_ONLY}
+    assert {name: params[name].kind for name in torch_kinds} == torch_kinds
+
+
+# ----------------------------------------------------------------------------- the reference
+def reference(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, alibi=None, key_length=None):
+    """float64 flash-attn semantics on (B, N, H, D) inputs, written out index by index: query i sits
+    at key position i + Nk - Nq. Returns (out (B, Nq, H, D) float64, lse (B, H, Nq))."""
+    q, k, v = (t.double() for t in (q, k, v))
+    b, n_q, h, _ = q.shape
+    n_k, h_kv = k.shape[1], k.shape[2]
+    out = torch.zeros(b, n_q, h, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((b, h, n_q), math.inf, dtype=torch.float64)
+    for z in range(b):
+        length = n_k if key_length is None else int(key_length[z])
+        for head in range(h):
+            kh = head // (h // h_kv)
+            for i in range(n_q):
+                pos = i + length - n_q
+                scores = []
+                for j in range(length):
+                    if (causal and j > pos) or (window[0] >= 0 and j < pos - window[0]) or (
+                            window[1] >= 0 and j > pos + window[1]):
+                        continue
+                    s = float(q[z, i, head] @ k[z, j, kh]) * scale
+                    if softcap:
+                        s = softcap * math.tanh(s / softcap)
+                    if alibi is not None:
+                        slope = alibi[head] if alibi.dim() == 1 else alibi[z, head]
+                        s -= float(slope) * abs(pos - j)
+                    scores.append((j, s))
+                if not scores:
+                    continue
+                top = max(s for _, s in scores)
+                total = sum(math.exp(s - top) for _, s in scores)
+                lse[z, head, i] = top + math.log(total)
+                for j, s in scores:
+                    out[z, i, head] += math.exp(s - top) / total * v[z, j, kh]
+    return out, lse
+
+
+def close(x, ref, tol=2e-5):
+    return (x.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    api.reset()
+    yield
+    api.reset()
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        return fn(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- dense
+def test_flash_attn_func_positional_every_argument():
+    q, k, v = rand(2, 7, 4, 16, seed=1), rand(2, 11, 2, 16, seed=2), rand(2, 11, 2, 16, seed=3)
+    alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    out, lse, probs = _quiet(autoflash.flash_attn_func, q, k, v, 0.0, 0.3, True, (3, 1), 2.0, alibi, True, True)
+    ref, ref_lse = reference(q, k, v, 0.3, True, (3, 1), 2.0, alibi)
+    assert close(out, ref) and close(lse, ref_lse) and probs is None
+
+
+@pytest.mark.parametrize("window, causal", [((2, 2), False), ((5, -1), True), ((-1, 0), False), ((-1, 3), False),
+                                            ((100, 100), False)])
+def test_windows_against_the_reference(window, causal):
+    q, k, v = rand(1, 9, 2, 16, seed=4), rand(1, 13, 2, 16, seed=5), rand(1, 13, 2, 16, seed=6)
+    out = _quiet(autoflash.flash_attn_func, q, k, v, 0.0, None, causal, window)
+    assert close(out, reference(q, k, v, 16 ** -0.5, causal, window)[0])
+
+
+def test_a_window_that_binds_is_never_dropped_silently(strict):
+    q = rand(1, 9, 2, 16, seed=4)
+    with pytest.raises(FallbackError, match="window_size"):
+        autoflash.flash_attn_func(q, q, q, 0.0, None, False, (2, 2))
+    # A window that excludes no key, and right == 0 (causality), stay on the kernels even under strict mode.
+    out = autoflash.flash_attn_func(q, q, q, 0.0, None, False, (100, -1))
+    assert close(out, reference(q, q, q, 16 ** -0.5)[0])
+    out = autoflash.flash_attn_func(q, q, q, 0.0, None, False, (-1, 0))
+    assert close(out, reference(q, q, q, 16 ** -0.5, causal=True)[0])
+
+
+def test_positional_dropout_is_dropout_not_a_scale():
+    q, k, v = rand(1, 8, 2, 16, seed=7), rand(1, 8, 2, 16, seed=8), rand(1, 8, 2, 16, seed=9)
+    # dropout_p = 1 drops every probability: zeros. Taken as a softmax scale it would not be.
+    assert _quiet(autoflash.flash_attn_func, q, k, v, 1.0).abs().max().item() == 0.0
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed = _quiet(autoflash.flash_attn_varlen_func, q[0], k[0], v[0], cu, cu, 5, 5, 1.0)
+    assert packed.abs().max().item() == 0.0
+
+
+def test_return_attn_probs_gives_the_lse_with_and_without_autograd():
+    q, k, v = rand(1, 37, 2, 16, seed=10), rand(1, 45, 1, 16, seed=11), rand(1, 45, 1, 16, seed=12)
+    ref, ref_lse = reference(q, k, v, 0.25, True)
+    out, lse, _ = autoflash.flash_attn_func(q, k, v, softmax_scale=0.25, causal=True, return_attn_probs=True)
+    assert close(out, ref) and close(lse, ref_lse)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = autoflash.flash_attn_func(*leaves, softmax_scale=0.25, causal=True, return_attn_probs=True)
+    assert close(out.detach(), ref) and close(lse, ref_lse) and not lse.requires_grad
+    out.sum().backward()
+    assert all(t.grad is not None for t in leaves)
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    q, k, v = rand(1, 29, 2, 16, seed=13), rand(1, 29, 2, 16, seed=14), rand(1, 29, 2, 16, seed=15)
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        _quiet(autoflash.flash_attn_func, *leaves, 0.0, None, True, (-1, -1), 0.0, None, True).sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_packed_forms_equal_the_unpacked_ones():
+    qkv = rand(2, 9, 3, 2, 16, seed=16)
+    want = autoflash.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], 0.0, 0.2, True)
+    assert torch.equal(autoflash.flash_attn_qkvpacked_func(qkv, 0.0, 0.2, True), want)
+    assert torch.equal(autoflash.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], 0.0, 0.2, True), want)
+    flat = qkv[1]
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    assert close(autoflash.flash_attn_varlen_qkvpacked_func(flat, cu, 9, 0.0, 0.2, True), want[1].double(), 1e-6)
+    assert close(autoflash.flash_attn_varlen_kvpacked_func(flat[:, 0], flat[:, 1:], cu, cu, 9, 9, 0.0, 0.2, True),
+                 want[1].double(), 1e-6)
+
+
+# ----------------------------------------------------------------------------- varlen
+def test_varlen_positional_every_argument():
+    lengths_q, lengths_k = [5, 1, 9], [7, 4, 9]
+    cu_q = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 11, 20], dtype=torch.int32)
+    q, k, v = rand(15, 4, 16, seed=17), rand(20, 2, 16, seed=18), rand(20, 2, 16, seed=19)
+    alibi = rand(3, 4, seed=20).abs()
+    out, lse, _ = _quiet(autoflash.flash_attn_varlen_func, q, k, v, cu_q, cu_k, 9, 9, 0.0, 0.35, True, (2, 0), 1.5,
+                         alibi, False, True, None)
+    for i in range(3):
+        a, b, c, d = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        ref, ref_lse = reference(q[None, a:b], k[None, c:d], v[None, c:d], 0.35, True, (2, 0), 1.5, alibi[i])
+        assert close(out[a:b], ref[0]) and close(lse[:, a:b], ref_lse[0])
+    assert lengths_q and lengths_k
+
+
+def test_varlen_block_table_reads_the_pages():
+    page, cu = 4, torch.tensor([0, 6, 13], dtype=torch.int32)
+    q, k, v = rand(13, 2, 16, seed=21), rand(13, 1, 16, seed=22), rand(13, 1, 16, seed=23)
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+    k_pages, v_pages = torch.zeros(5, page, 1, 16), torch.zeros(5, page, 1, 16)
+    for b, (start, end) in enumerate([(0, 6), (6, 13)]):
+        for t in range(end - start):
+            k_pages[table[b, t // page], t % page] = k[start + t]
+            v_pages[table[b, t // page], t % page] = v[start + t]
+    paged = autoflash.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 7, 7, 0.0, None, True, block_table=table)
+    assert close(paged, autoflash.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).double(), 1e-6)
+    with pytest.raises(ValueError, match="block_table"):
+        autoflash.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 7, 7, block_table=table.long())
+
+
+# ----------------------------------------------------------------------------- kvcache
+def test_kvcache_positional_every_served_argument():
+    q, k_cache, v_cache = rand(2, 2, 4, 16, seed=24), rand(2, 12, 2, 16, seed=25), rand(2, 12, 2, 16, seed=26)
+    k_new, v_new = rand(2, 2, 2, 16, seed=27), rand(2, 2, 2, 16, seed=28)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    alibi = torch.tensor([0.3, 0.2, 0.1, 0.05])
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = _quiet(autoflash.flash_attn_with_kvcache, q, kc, vc, k_new, v_new, None, None, lens, None, None, None,
+                      0.3, True, (3, -1), 1.5, True, alibi, 0, True)
+    for b in range(2):
+        n = int(lens[b]) + 2
+        keys = torch.cat([k_cache[b, :lens[b]], k_new[b]])
+        values = torch.cat([v_cache[b, :lens[b]], v_new[b]])
+        assert torch.equal(kc[b, :n], keys) and torch.equal(vc[b, :n], values)
+        ref, ref_lse = reference(q[b:b + 1], keys[None], values[None], 0.3, True, (3, -1), 1.5, alibi)
+        assert close(out[b], ref[0]) and close(lse[b], ref_lse[0])
+
+
+@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"])
+def test_kvcache_arguments_not_served_are_refused_by_name(name):
+    q, cache = rand(1, 1, 2, 16, seed=29), rand(1, 8, 2, 16, seed=30)
+    with pytest.raises(FallbackError, match=name):
+        autoflash.flash_attn_with_kvcache(q, cache, cache, **{name: torch.zeros(1, dtype=torch.int32)})

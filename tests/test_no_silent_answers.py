@@ -59,6 +59,22 @@ def test_gradients_are_right_or_torchs_at_every_scale(shape, causal, scale, dtyp
         assert rel_error(mine, ref) <= 3 * rel_error(theirs, ref) + 1e-6
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [0.02, 0.125, 1.0, 8.0, 1e3, 1e30])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gradients_at_every_scale_on_the_gpu(causal, scale, dtype):
+    q, k, v, grad = (rand(2, 4, 300, 64, seed=s, dtype=dtype).cuda() for s in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        autoflash.attention(*leaves, is_causal=causal, scale=scale).backward(grad)
+    ref = reference_grads(q, k, v, grad, causal, 0, scale)
+    for mine, theirs, want in zip((t.grad for t in leaves), sdpa_grads(q, k, v, grad, causal, 0, scale), ref):
+        if torch.isfinite(want).all():
+            assert rel_error(mine, want) <= 3 * rel_error(theirs, want) + 1e-6
+
+
 def test_forward_only_calls_stay_on_the_kernels_at_large_scales(strict):
     q = rand(1, 1, 4, 16, seed=5)
     out = autoflash.attention(q, q, q, scale=1e30)  # (strict: a fallback would raise)

@@ -23,6 +23,7 @@ from autoflash import codegen
 from autoflash.codegen import Kernel
 from autoflash.device import GPUFingerprint, gpu_fingerprint
 from autoflash.problem import Problem, Shape, dtype_name, seqlen_bucket, shape_work_bucket
+from autoflash.serving_policy import Evidence, cudnn_variant
 from autoflash.space import InvalidVariant, Variant, default_variant, load_space
 from autoflash.vendor import VENDOR_TIE_MARGIN
 
@@ -62,6 +63,7 @@ class WinnerTable:
         # Stored winners of this GPU that cannot be served (and why): calls of those problems get
         # what serves instead, so a benchmark says so (each one is also a RuntimeWarning)
         self.rejected: list[str] = []
+        self.evidence = Evidence()  # own vs SDPA-cuDNN times per problem (serving_policy)
         for path in self.default_paths() if paths is None else paths:
             self._load(path)
 
@@ -108,6 +110,7 @@ class WinnerTable:
                               RuntimeWarning, stacklevel=2)
                 self.rejected.append(f"{row.get('problem')} in {path}: {e}")
                 continue
+            self.evidence.add(problem, variant, row)
             ms = row.get("median_ms") if isinstance(row.get("median_ms"), (int, float)) else math.inf
             vendor = load_space(family).vendor
             # Between families an own kernel must beat a vendor one by the tie margin (see vendor.py).
@@ -120,10 +123,8 @@ class WinnerTable:
                 winners[problem.key], origins[problem.key], medians[problem.key] = variant, str(path), rank
 
     def lookup(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str]:
-        """(variant, how): exact bucket, else the nearest bucket of the same kind, else None.
-        own_only: among autoflash's own kernel families (no vendor kernel)."""
-        variant, how, _ = self.explain(problem, own_only)
-        return variant, how
+        """(variant, how) of `explain`: exact bucket, else the nearest of the same kind, else None."""
+        return self.explain(problem, own_only)[:2]
 
     def explain(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str, str | None]:
         """(variant, how, DB file it came from): like `lookup`, plus the winner's origin."""
@@ -227,17 +228,31 @@ class Dispatcher:
         self._winners.clear()  # reload, now with the new winner
 
     def variant_for(self, problem: Problem, device: GPUFingerprint, device_index=None, own_only: bool = False) -> Variant:
-        """The tuned winner for this problem (exact or nearest bucket), else the built-in default.
-        own_only: autoflash's own kernels only (no vendor kernel)."""
-        tuned, how = self.winners(device, device_index).lookup(problem, own_only)
+        """The variant that serves this problem (`choose`). own_only: autoflash's own kernels only."""
+        return self.choose(problem, device, device_index, own_only)[0]
+
+    def choose(self, problem: Problem, device: GPUFingerprint, device_index=None,
+               own_only: bool = False) -> tuple[Variant, str]:
+        """(variant, why): a tuned vendor winner as it is; otherwise SDPA-cuDNN unless the measured
+        evidence says the own kernels are faster here (`serving_policy`); then the own winner (exact or
+        nearest bucket), else the built-in default."""
+        table = self.winners(device, device_index)
+        tuned, how = table.lookup(problem, own_only)
+        if not own_only and not (tuned is not None and load_space(tuned.family).vendor):
+            vendor = cudnn_variant(problem, device)
+            if vendor is not None:
+                own_faster, why = table.evidence.own_faster(problem)
+                if not own_faster:
+                    log.debug("autoflash: %s -> SDPA-cuDNN (%s)", problem.key, why)
+                    return vendor, why
         if tuned is not None:
             log.debug("autoflash: %s -> tuned winner (%s)", problem.key, how)
-            return tuned
-        if not self.winners(device, device_index).rows and device.key not in self._told_untuned:
+            return tuned, how
+        if not table.rows and device.key not in self._told_untuned:
             self._told_untuned.add(device.key)
             log.info("autoflash: no tuned kernels for %s; using built-in defaults (run `autoflash tune`)",
                      device.name)
-        return default_variant(problem.op, problem, device)
+        return default_variant(problem.op, problem, device), "default"
 
     def serving_variant(self, problem: Problem, device: GPUFingerprint) -> Variant:
         """`variant_for` remembered per problem (one dict lookup per call)."""

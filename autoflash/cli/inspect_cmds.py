@@ -67,13 +67,15 @@ def which(shapes, op, interpret):
         t.add_column(col)
     for shape in shape_list:
         problem = dataclasses.replace(shape, op=op).problem
-        _, how, origin = disp.winners(device).explain(problem)
-        variant = disp.variant_for(problem, device)
+        variant, how = disp.choose(problem, device)
+        tuned = how == "exact" or how.startswith("nearest (")  # (else the serving policy or the default)
+        origin = disp.winners(device).explain(problem)[2] if tuned else None
         served = f"{variant.family}: {variant.short()}"
         knobs = variant.as_dict()
         for half, op_of_half in (("FORWARD", "fwd"), ("BACKWARD", "bwd")):  # a pair with one SDPA half
             if knobs.get(half) == "autoflash":
                 own = disp.variant_for(dataclasses.replace(shape, op=op_of_half).problem, device, own_only=True)
                 served += f" ({half.lower()}: {own.family}: {own.short()})"
-        t.add_row(shape.label(), problem.key, how, Path(origin).name if origin else "built-in", served)
+        source = Path(origin).name if origin else "built-in" if how == "default" else "serving policy"
+        t.add_row(shape.label(), problem.key, how, source, served)
     console.print(t)

@@ -1,0 +1,82 @@
+"""The serving policy (CPU, a GPU fingerprint and winner rows in a real SQLite DB): SDPA-cuDNN serves
+every problem the measured evidence does not show the own kernels faster on; in the interpreter (and
+for what cuDNN cannot take) the own kernels serve as before."""
+
+import pytest
+
+from autoflash import codegen
+from autoflash.device import GPUFingerprint, gpu_fingerprint
+from autoflash.dispatch import Dispatcher
+from autoflash.problem import Problem
+from autoflash.serving_policy import EVIDENCE_MAX_DISTANCE, cudnn_variant, distance_between
+from autoflash.space import default_variant, load_space
+from autoflash.store import Store
+
+H200 = GPUFingerprint("NVIDIA H200", 9, 0, 132, 232448, "2.11.0", "3.6.0", "13.0", "0.1.0")
+
+
+def prob(q=2048, k=2048, head_dim=128, causal=True, group=1, dtype="bfloat16", op="fwd"):
+    return Problem(op, dtype, head_dim, causal, group, q, k)
+
+
+def make_db(path, rows):
+    """rows: (problem, own median_ms, SDPA-cuDNN ms of the same run)."""
+    store = Store(path)
+    store.add_gpu(H200)
+    for problem, own_ms, cudnn_ms in rows:
+        variant = default_variant(problem.op, problem, H200)
+        store.set_winner(gpu_key=H200.key, problem=problem, template_hash=codegen.template_hash(variant.family),
+                         variant_json=variant.json(), median_ms=own_ms, spread=0.01, tflops=1.0, trials=5,
+                         sdpa_cudnn_ms=cudnn_ms)
+    store.close()
+    return path
+
+
+def served(tmp_path, rows, problem):
+    path = tmp_path / f"w{len(list(tmp_path.glob('*.db')))}.db"  # (a fresh DB per call)
+    disp = Dispatcher(winner_paths=[make_db(path, rows)])
+    variant, why = disp.choose(problem, H200)
+    return load_space(variant.family).vendor, why
+
+
+def test_no_evidence_serves_sdpa_cudnn(tmp_path):
+    vendor, why = served(tmp_path, [], prob())
+    assert vendor and "no measurement" in why
+
+
+def test_an_own_winner_measured_slower_than_cudnn_does_not_serve(tmp_path):
+    p = prob()
+    assert served(tmp_path, [(p, 1.0, 0.9)], p)[0]  # the row's own SDPA-cuDNN time is faster
+    assert not served(tmp_path, [(p, 0.9, 1.0)], p)[0]
+    assert served(tmp_path, [(p, 0.99, 1.0)], p)[0]  # within the tie margin: the vendor kernel
+
+
+def test_nearest_evidence_decides_and_far_evidence_does_not(tmp_path):
+    near = prob(q=4096, k=4096)  # one factor of 2 in each length: distance 2
+    far = prob(q=16384, k=16384, head_dim=64)
+    assert distance_between(near, prob()) <= EVIDENCE_MAX_DISTANCE < distance_between(far, prob())
+    vendor, why = served(tmp_path, [(near, 0.8, 1.0)], prob())
+    assert not vendor and "nearest" in why  # (the own winner of the nearest bucket serves)
+    assert served(tmp_path, [(far, 0.8, 1.0)], prob())[0]
+    assert served(tmp_path, [(prob(causal=False), 0.8, 1.0)], prob())[0]  # another causality says nothing
+
+
+def test_backward_problems_get_cudnns_whole_pair(tmp_path):
+    p = prob(op="bwd")
+    vendor, _ = served(tmp_path, [], p)
+    assert vendor
+    variant = cudnn_variant(p, H200)
+    assert variant.as_dict() == {"BACKEND": "cudnn", "FORWARD": "sdpa", "BACKWARD": "sdpa"}
+
+
+@pytest.mark.parametrize("problem, device", [(prob(dtype="float32"), H200), (prob(), gpu_fingerprint())])
+def test_where_cudnn_cannot_serve_the_own_kernels_do(tmp_path, problem, device):
+    assert cudnn_variant(problem, device) is None or device.on_gpu
+    disp = Dispatcher(winner_paths=[make_db(tmp_path / "w.db", [])])
+    variant, _ = disp.choose(problem, device)
+    assert not load_space(variant.family).vendor
+
+
+def test_own_only_calls_never_get_a_vendor_kernel(tmp_path):
+    disp = Dispatcher(winner_paths=[make_db(tmp_path / "w.db", [])])
+    assert not load_space(disp.variant_for(prob(), H200, own_only=True).family).vendor

@@ -39,6 +39,24 @@ class BenchRow:
         a, b = self.tflops(method), self.tflops(base)
         return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else float("nan")
 
+    def ratio_to_best_sdpa(self, method: str = "autoflash") -> float:
+        """method / the fastest SDPA backend measured on this shape (NaN when none was)."""
+        best = max((self.tflops(m) for m in self.ms if m.startswith("sdpa_") and math.isfinite(self.tflops(m))),
+                   default=float("nan"))
+        a = self.tflops(method)
+        return a / best if math.isfinite(a) and best > 0 else float("nan")
+
+
+def versus_best_sdpa(rows: list[BenchRow], method: str = "autoflash") -> str:
+    """One line: the method against the best SDPA backend of each shape, geomean and lowest cell."""
+    ratios = [(r.ratio_to_best_sdpa(method), r.shape.label()) for r in rows]
+    ratios = [(x, label) for x, label in ratios if math.isfinite(x)]
+    if not ratios:
+        return f"{method} / best SDPA backend: not measured"
+    low, where = min(ratios)
+    return (f"{method} / best SDPA backend per shape: geomean {geomean([x for x, _ in ratios]):.3f}, "
+            f"lowest {low:.3f} ({where}), {sum(x < 0.98 for x, _ in ratios)} of {len(ratios)} below 0.98")
+
 
 def _variant_fn(variant: Variant, shape: Shape, q, k, v, template_file=None) -> Callable[[], None]:
     """Raises ValueError for a TMA variant on TMA-incompatible tensors."""

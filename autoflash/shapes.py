@@ -78,6 +78,8 @@ def load_shape_set(name_or_path: str, op: str = "fwd") -> list[Shape]:
 
     from autoflash import resources
 
+    if name_or_path.startswith("random:"):
+        return random_shapes(*_random_spec(name_or_path), op=op)
     if name_or_path in shape_set_names():
         data = tomllib.loads(resources.read_text("search_spaces", f"shapes_{name_or_path}.toml"))
     else:
@@ -99,4 +101,44 @@ def load_shape_set(name_or_path: str, op: str = "fwd") -> list[Shape]:
             raise ValueError(f"{name_or_path}: shape {i + 1} ({shape.label()}): {reason}")
     if not shapes:
         raise ValueError(f"shape set {name_or_path!r} defines no shapes")
+    return shapes
+
+
+# Realistic ranges for `random:N[:SEED]` shape sets (models' attention, prefill and training).
+RANDOM_HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
+RANDOM_MAX_FLOPS = 2e13  # one forward at most ~30 ms on a Hopper GPU: a bench of 64 shapes stays minutes
+
+
+def _random_spec(value: str) -> tuple[int, int]:
+    """'random:N' or 'random:N:SEED' -> (N, SEED)."""
+    parts = value.split(":")
+    try:
+        count, seed = int(parts[1]), int(parts[2]) if len(parts) > 2 else 0
+    except (IndexError, ValueError):
+        raise ValueError(f"a random shape set is random:N or random:N:SEED (N shapes, an int seed), got {value!r}") \
+            from None
+    if len(parts) > 3 or count < 1:
+        raise ValueError(f"a random shape set is random:N or random:N:SEED with N >= 1, got {value!r}")
+    return count, seed
+
+
+def random_shapes(count: int, seed: int = 0, op: str = "fwd") -> list[Shape]:
+    """`count` problems drawn (reproducibly from `seed`) from realistic ranges: batch 1-16, 1-64 KV
+    heads with GQA groups 1-16 (at most 128 query heads), lengths 1-32k, powers of two or not, Nq != Nk
+    in one draw of four (bottom-right: Nq <= Nk), head dims 32-256, causal or not, bf16 or fp16;
+    shapes past `RANDOM_MAX_FLOPS` are drawn again."""
+    import random
+
+    rng = random.Random(seed)
+    shapes: list[Shape] = []
+    while len(shapes) < count:
+        heads_kv = rng.choice((1, 2, 4, 8, 8, 16, 32, 64))
+        group = rng.choice([g for g in (1, 1, 2, 3, 4, 5, 7, 8, 16) if heads_kv * g <= 128])
+        n_k = int(2 ** rng.uniform(0, 15)) if rng.random() < 0.5 else 2 ** rng.randint(7, 15)
+        n_q = n_k if rng.random() < 0.75 else max(1, int(n_k * rng.uniform(0.05, 1.0)))
+        shape = Shape(batch=rng.randint(1, 16), heads_q=heads_kv * group, heads_kv=heads_kv, seqlen_q=n_q,
+                      seqlen_k=n_k, head_dim=rng.choice(RANDOM_HEAD_DIMS), causal=rng.random() < 0.5,
+                      dtype=rng.choice(("bfloat16", "float16")), op=op)
+        if shape.flops() <= RANDOM_MAX_FLOPS and shape_problem(shape) is None:
+            shapes.append(shape)
     return shapes

@@ -80,3 +80,15 @@ def test_where_cudnn_cannot_serve_the_own_kernels_do(tmp_path, problem, device):
 def test_own_only_calls_never_get_a_vendor_kernel(tmp_path):
     disp = Dispatcher(winner_paths=[make_db(tmp_path / "w.db", [])])
     assert not load_space(disp.variant_for(prob(), H200, own_only=True).family).vendor
+
+
+def test_random_shape_sets_are_reproducible_and_realistic():
+    from autoflash.shapes import RANDOM_MAX_FLOPS, load_shape_set
+
+    first, again, other = (load_shape_set(name) for name in ("random:40:3", "random:40:3", "random:40:4"))
+    assert first == again and first != other and len(first) == 40
+    assert all(s.flops() <= RANDOM_MAX_FLOPS and s.heads_q % s.heads_kv == 0 and s.seqlen_q <= s.seqlen_k
+               for s in first)
+    assert any(s.seqlen_q != s.seqlen_k for s in first) and any(s.heads_q != s.heads_kv for s in first)
+    with pytest.raises(ValueError, match="random:N"):
+        load_shape_set("random:x")

@@ -75,6 +75,7 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, j
     methods = ["autoflash", "autoflash-own", "sdpa_cudnn", "sdpa_flash"]
     title = f"forward+backward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
     console.print(bench_mod.rich_table(rows, methods, title))
+    console.print(bench_mod.versus_best_sdpa(rows))
     if memory:
         mt = Table(title="peak memory above the inputs (GiB), forward+backward")
         for col in ("shape", *methods, "autoflash / sdpa_flash"):
@@ -162,13 +163,17 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
     if interpret:
         title += " (interpreter wall clock: not GPU performance)"
     console.print(bench_mod.rich_table(rows, methods, title, base=base))
+    if not interpret:
+        console.print(bench_mod.versus_best_sdpa(rows))
     _save(bench_mod, rows, methods, title, md_path, plot_path, base=base, json_path=json_path,
           metric=f"{op}_tflops")
 
 
 @click.command()
 @click.option("--shapes", default="standard", show_default=True,
-              help="Shape set: standard, gqa, tiny, or a TOML file.")
+              help="Shape set: standard, gqa, tiny, ..., a TOML file, or random:N (N problems drawn from "
+                   "realistic ranges, reproducibly from --seed).")
+@click.option("--seed", type=int, default=0, show_default=True, help="The seed of a random:N shape set.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Interleaved timing rounds per shape.")
 @output_option("--plot", "plot_path", help="Save a bar chart (PNG) here.")
@@ -192,13 +197,14 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
                    "value that template does not know renders as that template treats it.")
 @click.option("--interpret", is_flag=True,
               help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
-def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhead, llama, generate, op,
+def bench(shapes, seed, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhead, llama, generate, op,
           baseline_template, interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of device-time medians.
 
     Example: autoflash bench --shapes standard --plot bench.png --json bench.json
+    Example: autoflash bench --shapes random:64 --seed 1 --fwdbwd --json random.json
     Example: git show HEAD~1:templates/attn_fwd.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja
     """
     if interpret:
@@ -211,6 +217,8 @@ def bench(shapes, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhea
     from autoflash import bench as bench_mod
     from autoflash.device import gpu_fingerprint
 
+    if shapes.startswith("random:") and shapes.count(":") == 1:
+        shapes = f"{shapes}:{seed}"
     device = gpu_fingerprint()
     if overhead:
         _overhead(bench_mod, device)

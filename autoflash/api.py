@@ -19,13 +19,9 @@ from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
 from autoflash.reference import torch_sdpa
-from autoflash.validate import (KERNEL_DTYPES, check_heads, check_numbers, check_sdpa_kinds,  # noqa: F401
-                                check_tensors, needs_autograd, unsupported_reason)
+from autoflash.validate import (check_heads, check_numbers, check_sdpa_kinds, check_tensors, needs_autograd,
+                                unsupported_reason)
 
-_fallback = fall_back
-# (the checks live in `validate`, shared with the flash-attn forms, varlen and decode)
-_validate, _check_heads, _check_numbers = check_tensors, check_heads, check_numbers
-_unsupported_reason = unsupported_reason
 
 
 def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scale: float | None = None,
@@ -44,9 +40,6 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
     get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True).forward(q, k, v, out, lse, sm_scale, causal,
                                                                               causal_offset)
     return out, lse
-
-
-_needs_autograd = needs_autograd
 
 
 # The API's memos: a call's signature -> plan(q, k, v) -> out, one for inference calls and one for
@@ -88,7 +81,7 @@ def _repeat_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: 
         signature = _signature(q, k, v, causal, scale, enable_gqa, causal_offset)
     except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the full path decides
         return None
-    plan = (training_plans if _needs_autograd(q, k, v) else inference_plans).get(signature)
+    plan = (training_plans if needs_autograd(q, k, v) else inference_plans).get(signature)
     if plan is None:
         return None
     if not q.is_cuda and not interpreter_enabled():  # planned under the interpreter, which is now off
@@ -112,7 +105,7 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
 
         return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
     memoize = _memoizable(q, scale)
-    if _needs_autograd(q, k, v):
+    if needs_autograd(q, k, v):
         plan = _training_plan(q, k, v, sm_scale, causal, causal_offset, own_only)
         if memoize:
             _remember(training_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
@@ -253,15 +246,15 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             return out
     check_sdpa_kinds(is_causal, enable_gqa)
     layout = "(batch, heads, seqlen, head_dim)"
-    _validate(query, key, value, ("query", "key", "value"), layout)
-    _check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
-    _check_numbers(dropout_p, scale, "scale")
-    reason = _unsupported_reason(query, key, value, attn_mask, dropout_p, scale,
-                                 training=_needs_autograd(query, key, value))
+    check_tensors(query, key, value, ("query", "key", "value"), layout)
+    check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
+    check_numbers(dropout_p, scale, "scale")
+    reason = unsupported_reason(query, key, value, attn_mask, dropout_p, scale,
+                                 training=needs_autograd(query, key, value))
     if reason is None:
         try:
             return _run(query, key, value, is_causal, 0, scale, enable_gqa)
         except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
             reason = f"no usable kernel cache ({e})"
-    _fallback(reason)
+    fall_back(reason)
     return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -164,7 +164,8 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     Every candidate is checked against a float64 reference before it is timed; failures
     (compile errors, wrong results, crashes, hangs) are recorded and the run goes on. Interrupt
     it at any time: finished trials are stored and a re-run resumes. With several GPUs, one
-    worker per GPU; with --storage, workers on several hosts join the same studies.
+    worker per GPU; with --storage, workers on several hosts join the same studies. Exit status:
+    0 every problem has a winner, 1 some got none (named), 2 a usage error, 130/143 interrupted.
 
     Example: autoflash tune --budget 15
     """

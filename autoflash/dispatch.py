@@ -201,9 +201,8 @@ class Dispatcher:
                        work=shape_work_bucket(op, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], sm_count))
 
     def _claim_tune_on_miss(self, problem: Problem, q) -> bool:
-        """Whether this call tunes its problem (AUTOFLASH_TUNE_ON_MISS=1, no exact winner, first
-        seen, not while a CUDA graph is captured or torch.compile traces). Called under the lock:
-        one call per problem claims it."""
+        """Whether this call tunes its problem (AUTOFLASH_TUNE_ON_MISS=1, first seen, not while a CUDA
+        graph is captured or torch.compile traces). Under the lock: one call per problem claims it."""
         if os.environ.get("AUTOFLASH_TUNE_ON_MISS", "0").strip().lower() in ("", "0", "false", "no", "off"):
             return False
         if problem.key in self._tuned_on_miss or torch.compiler.is_compiling():

@@ -5,7 +5,8 @@ found and tried again.
   FILE                an Optuna journal file anywhere, e.g. on a file system that several hosts
                       mount (its lock is an O_EXCL file: `journal.JournalPidLock`)
   postgresql://...    an Optuna RDBStorage (any SQLAlchemy URL: mysql://..., sqlite:///...), with
-                      Optuna's heartbeat: a trial whose worker stopped beating is failed
+                      Optuna's heartbeat: a trial whose worker stopped beating is failed; an
+                      sqlite:/// file must be new, empty or Optuna's (never the results DB)
 
 Every worker that measures a trial marks it with its owner ('host pid') and keeps it beating
 (`Liveness`): on an RDB through Optuna's heartbeat table, on a journal through a user attribute.

@@ -91,16 +91,40 @@ def _source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+class TemplateError(ValueError):
+    """A template file (`bench --baseline-template`) that does not render to a kernel module: the
+    message names the file and the line."""
+
+
+def check_template(template_file: str | os.PathLike) -> jinja2.Template:
+    """The parsed template of a user's file; TemplateError names the file and line of a Jinja error."""
+    try:
+        return _environment().from_string(pathlib.Path(template_file).read_text(encoding="utf-8"))
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(f"{template_file}, line {e.lineno}: not a valid template: {e.message}") from None
+    except UnicodeDecodeError as e:
+        raise TemplateError(f"{template_file}: not a text file ({e.reason} at byte {e.start})") from None
+
+
 def render(variant: Variant, template_file: str | os.PathLike | None = None) -> str:
     """The Triton source of one variant. Only declared knob values ever reach the template.
     template_file: render from this template instead of the package's (knobs it does not read are
     ignored; a knob it reads that the variant lacks is an error)."""
     checked = load_space(variant.family).check_declared(variant.as_dict())
     if template_file is None:
-        template = _environment().get_template(load_space(variant.family).template)
-    else:
-        template = _environment().from_string(pathlib.Path(template_file).read_text(encoding="utf-8"))
-    return template.render(**checked.as_dict())
+        return _environment().get_template(load_space(variant.family).template).render(**checked.as_dict())
+    try:
+        return check_template(template_file).render(**checked.as_dict())
+    except jinja2.TemplateError as e:  # (StrictUndefined: a knob the variant lacks, a bad filter, ...)
+        line = next((f", line {tb.tb_lineno}" for tb in _frames(e.__traceback__)
+                     if tb.tb_frame.f_code.co_filename == "<template>"), "")
+        raise TemplateError(f"{template_file}{line}: cannot render {variant.short()}: {e}") from None
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 def variant_hash(variant: Variant, template_file: str | os.PathLike | None = None) -> str:
@@ -151,7 +175,13 @@ def load(variant: Variant, template_file: str | os.PathLike | None = None) -> "K
         source = render(variant, template_file)
         path = _cached_source_file(source_path(variant, template_file), source)
         name = f"autoflash_kernels.{path.stem}_{key[2]}"
-        module = _exec_source(name, path, source)
+        try:
+            module = _exec_source(name, path, source)
+        except SyntaxError as e:
+            if template_file is None:  # (the package's own templates are tested: a bug, not input)
+                raise
+            raise TemplateError(f"{template_file}: renders no valid Python for {variant.short()}: {path}, line "
+                                f"{e.lineno}: {e.msg}") from None
         kernel = _modules[key] = Kernel(variant, module)
         return kernel
 

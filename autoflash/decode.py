@@ -14,6 +14,7 @@ implementation with one `FallbackWarning` per reason (`AUTOFLASH_STRICT=1`: `Fal
 
 from __future__ import annotations
 
+import collections.abc
 import math
 
 import torch
@@ -100,6 +101,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     variants = [name for name, used in (("window_size", window != (-1, -1)), ("softcap", softcap > 0),
                                         ("alibi_slopes", alibi_slopes is not None)) if used]
+    if variant is not None and not isinstance(variant, collections.abc.Mapping):
+        raise ValueError(f"variant must be a mapping of knob -> value (see search_spaces/attn_decode.toml), "
+                         f"got {variant!r}")
     batch, q_len, heads, head_dim = q.shape
     # (head dim 0: nothing to scale; the empty output is returned as it is)
     scale = (1.0 / math.sqrt(head_dim) if head_dim else 1.0) if softmax_scale is None else float(softmax_scale)

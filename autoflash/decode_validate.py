@@ -53,7 +53,7 @@ def _check_values(checks: list) -> bool:
     ok = torch.stack([c.all() for c, _ in checks]).tolist()
     for good, (_, message) in zip(ok, checks):
         if not good:
-            raise ValueError(message)
+            raise ValueError(message() if callable(message) else message)  # (a callable: worked out on failure)
     return True
 
 
@@ -121,9 +121,11 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, soft
         if not _values_known_good(key):
             checks = []
             if host_length is None:
-                checks += [(seqlens >= 0, "cache_seqlens must be >= 0"),
-                           (seqlens.long() + new <= capacity,
-                            f"cache_seqlens + seqlen_new ({new}) must be <= the cache capacity ({capacity} tokens)")]
+                def too_long(lengths=seqlens, new=new, capacity=capacity):  # the first row past the capacity
+                    b = int(torch.nonzero(lengths.long() + new > capacity)[0, 0])
+                    return (f"cache_seqlens[{b}] + seqlen_new ({int(lengths[b])} + {new}) must be <= the cache "
+                            f"capacity ({capacity} tokens)")
+                checks += [(seqlens >= 0, "cache_seqlens must be >= 0"), (seqlens.long() + new <= capacity, too_long)]
             if tables:
                 used = (torch.arange(block_table.shape[1], device=q.device) * k_cache.shape[1]
                         < (seqlens.long() + new)[:, None])

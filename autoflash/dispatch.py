@@ -179,6 +179,7 @@ class Dispatcher:
         self._served: dict = {}  # (problem, device key) -> variant, for callers that launch themselves (decode)
         self._recorded: set = set()  # AUTOFLASH_RECORD: shapes written already (the op is not part)
         self._record_failed: set = set()
+        self._refused_record: set = set()  # AUTOFLASH_RECORD files that are no shape set: never written
 
     def reset(self) -> None:
         """Forget loaded winners and compiled kernels (e.g. after tuning into the DB)."""
@@ -200,17 +201,23 @@ class Dispatcher:
                        seqlen_k=seqlen_bucket(k.shape[2]),
                        work=shape_work_bucket(op, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], sm_count))
 
-    def _tune_on_miss(self, problem: Problem, q, k) -> None:
-        """AUTOFLASH_TUNE_ON_MISS=1: tune a problem with no exact winner the first time it is seen
-        (a short, budgeted run into the user DB), then reload the winners. Never while a CUDA graph
-        is captured or torch.compile traces; a failure costs one warning, never the model's call."""
+    def _claim_tune_on_miss(self, problem: Problem, q) -> bool:
+        """Whether this call tunes its problem (AUTOFLASH_TUNE_ON_MISS=1, first seen, not while a CUDA
+        graph is captured or torch.compile traces). Under the lock: one call per problem claims it."""
         if os.environ.get("AUTOFLASH_TUNE_ON_MISS", "0").strip().lower() in ("", "0", "false", "no", "off"):
-            return
+            return False
         if problem.key in self._tuned_on_miss or torch.compiler.is_compiling():
-            return
+            return False
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            return
+            return False
         self._tuned_on_miss.add(problem.key)
+        return True
+
+    def _tune_on_miss(self, problem: Problem, q, k) -> None:
+        """Tune a problem `_claim_tune_on_miss` claimed (a short, budgeted run into the user DB),
+        then reload the winners. Runs outside the lock: other threads' calls, of other problems or of
+        this one (served by what serves now), never wait for a tune. A failure costs one warning,
+        never the model's call."""
         shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
                       seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype,
                       op=problem.op)
@@ -224,8 +231,10 @@ class Dispatcher:
             warnings.warn(f"autoflash: tune-on-miss failed for {problem.key}: {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=3)
             return
-        self.kernels.clear()
-        self._winners.clear()  # reload, now with the new winner
+        with self._lock:
+            self.kernels.clear()
+            self._winners.clear()  # reload, now with the new winner
+            self._served.clear()
 
     def variant_for(self, problem: Problem, device: GPUFingerprint, device_index=None, own_only: bool = False) -> Variant:
         """The variant that serves this problem (`choose`). own_only: autoflash's own kernels only."""
@@ -273,16 +282,19 @@ class Dispatcher:
                aligned, own_only)
         kernel = self.kernels.get(key)
         if kernel is None:
+            device_index = q.device.index if q.is_cuda else None
+            device = gpu_fingerprint(device_index)
+            problem = self.problem_for(q, k, causal, op, device.sm_count)
+            with self._lock:
+                if os.environ.get("AUTOFLASH_RECORD"):
+                    self._record(q, k, problem)
+                tune = (problem.key not in self.winners(device, device_index).rows
+                        and self._claim_tune_on_miss(problem, q))
+            if tune:  # (a tune takes minutes: outside the lock)
+                self._tune_on_miss(problem, q, k)
             with self._lock:
                 if len(self.kernels) > 4096:  # many distinct shapes: keep the table bounded
                     self.kernels.clear()
-                device_index = q.device.index if q.is_cuda else None
-                device = gpu_fingerprint(device_index)
-                problem = self.problem_for(q, k, causal, op, device.sm_count)
-                if os.environ.get("AUTOFLASH_RECORD"):
-                    self._record(q, k, problem)
-                if problem.key not in self.winners(device, device_index).rows:
-                    self._tune_on_miss(problem, q, k)
                 kernel = codegen.load(self.variant_for(problem, device, device_index, own_only))
                 if kernel.vendor and kernel.unsupported(q, k, v, o):  # e.g. a GPU winner, CPU tensors
                     kernel = codegen.load(self.variant_for(problem, device, device_index, own_only=True))
@@ -325,16 +337,19 @@ class Dispatcher:
     def _record(self, q, k, problem: Problem) -> None:
         """AUTOFLASH_RECORD=FILE: append each new exact shape this process runs to FILE (a shape set
         for `autoflash tune --shapes FILE`). A file that cannot be written costs one warning."""
-        from autoflash.shapes import record_shape
+        from autoflash.shapes import NotAShapeSet, record_shape
 
         shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
                       seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype)
-        if shape in self._recorded:
+        path = os.environ["AUTOFLASH_RECORD"]
+        if shape in self._recorded or path in self._refused_record:
             return
         self._recorded.add(shape)
-        path = os.environ["AUTOFLASH_RECORD"]
         try:
             record_shape(path, shape)
+        except NotAShapeSet as e:  # another kind of file: one warning, and nothing recorded into it
+            self._refused_record.add(path)
+            warnings.warn(f"autoflash: {e}", RuntimeWarning, stacklevel=4)
         except OSError as e:
             if path not in self._record_failed:
                 self._record_failed.add(path)

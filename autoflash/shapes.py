@@ -7,31 +7,69 @@ import os
 
 from autoflash.problem import DTYPES, Shape, unsupported_head_dim
 
+# The largest tensor a shape may ask for: 256 TiB, what 48-bit virtual addresses (x86-64, CUDA's
+# unified addresses) can map. Larger sizes (or sizes past torch's int64 element count) cannot be
+# allocated: every trial of such a shape would fail.
+MAX_TENSOR_BYTES = 2 ** 48
 SHAPE_FIELDS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "causal", "dtype")
 
 
-def _recorded_already(path: str | os.PathLike, shape: Shape) -> bool:
-    """Whether the file holds this shape's [[shape]] table (written by an earlier run of the model);
-    a file that does not parse is appended to as it is."""
+# A results DB's companions: a shape appended to one is lost, or corrupts the DB.
+_DB_COMPANIONS = ("-wal", "-shm", "-journal")
+
+
+class NotAShapeSet(ValueError):
+    """A recording target that holds something else: appending [[shape]] tables would corrupt it."""
+
+
+def _recorded_tables(path: str | os.PathLike) -> list | None:
+    """The [[shape]] tables of a recording target (None: no file yet, or an empty one). Raises
+    NotAShapeSet for a file that is not a shape set (a DB, a script, a DB's -wal/-shm/journal)."""
     import tomllib
 
+    name = os.fspath(path)
+    refuse = f"{name} is not a shape-set TOML file: refusing to record shapes into it (AUTOFLASH_RECORD)"
+    for suffix in _DB_COMPANIONS:
+        if name.endswith(suffix) and _is_sqlite(name[:-len(suffix)]):
+            raise NotAShapeSet(f"{name} belongs to the SQLite database {name[:-len(suffix)]}: refusing to record "
+                               "shapes into it (AUTOFLASH_RECORD)")
     try:
         with open(path, "rb") as f:
-            tables = tomllib.load(f).get("shape", [])
-    except (OSError, ValueError):
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    if not data.strip():
+        return None
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+        raise NotAShapeSet(refuse) from None
+    tables = doc.get("shape", [])
+    if set(doc) - {"shape", "grid"} or not isinstance(tables, list):
+        raise NotAShapeSet(refuse)
+    return tables
+
+
+def _is_sqlite(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
         return False
-    return any(isinstance(t, dict) and all(t.get(f) == getattr(shape, f) for f in SHAPE_FIELDS) for t in tables)
 
 
 def record_shape(path: str | os.PathLike, shape: Shape) -> None:
-    """Append `shape` as a [[shape]] table of a shape-set TOML file (made with a header if new),
-    unless the file has it already. One write per shape in append mode, so concurrent recorders
-    interleave whole tables."""
+    """Append `shape` as a [[shape]] table of a shape-set TOML file (made with a header if new or
+    empty), unless the file has it already. One write per shape in append mode, so concurrent
+    recorders interleave whole tables. A file that is something else (NotAShapeSet) is never
+    written."""
     import json
 
-    if _recorded_already(path, shape):
+    tables = _recorded_tables(path)
+    if tables and any(isinstance(t, dict) and all(t.get(f) == getattr(shape, f) for f in SHAPE_FIELDS)
+                      for t in tables):
         return
-    header = "" if os.path.exists(path) else (
+    header = "" if tables is not None else (
         "# Problems a model ran, recorded by autoflash (AUTOFLASH_RECORD). Tune exactly these with\n"
         "#   autoflash tune --ops fwd,bwd --shapes THIS_FILE\n")
     table = "\n[[shape]]\n" + "".join(f"{f} = {json.dumps(getattr(shape, f))}\n" for f in SHAPE_FIELDS)
@@ -55,7 +93,15 @@ def shape_problem(shape: Shape) -> str | None:
         return f"dtype must be one of {list(DTYPES)}, got {shape.dtype!r}"
     if shape.page is not None and (isinstance(shape.page, bool) or not isinstance(shape.page, int) or shape.page < 1):
         return f"page must be a positive integer, got {shape.page!r}"
-    return unsupported_head_dim(shape.head_dim)
+    if reason := unsupported_head_dim(shape.head_dim):
+        return reason
+    itemsize = 4 if shape.dtype == "float32" else 2
+    for name, heads, seqlen in (("q", shape.heads_q, shape.seqlen_q), ("k and v", shape.heads_kv, shape.seqlen_k)):
+        size = shape.batch * heads * seqlen * shape.head_dim * itemsize
+        if size > MAX_TENSOR_BYTES:
+            return (f"{name} would take {size:.3g} bytes (batch {shape.batch} x heads {heads} x seqlen {seqlen} x "
+                    f"head_dim {shape.head_dim}), more than any device can hold ({MAX_TENSOR_BYTES:.3g})")
+    return None
 
 
 def shape_set_names() -> list[str]:

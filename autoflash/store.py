@@ -25,7 +25,7 @@ from typing import Iterable
 
 import sqlite_utils
 
-from autoflash.store_migrations import _apply_migrations, now, schema_version
+from autoflash.store_migrations import _apply_migrations, describe_missing, missing_schema, now, schema_version
 from autoflash.store_validate import (READABLE_VERSIONS, SCHEMA_VERSION, StoreError, problem_columns,  # noqa: F401
                                       _connect_readonly, _refuse_foreign, _same_file, declared_in_some_family,
                                       validate_export)
@@ -61,15 +61,18 @@ class Store:
                 conn = sqlite3.connect(str(self.path), timeout=timeout)
             self.db = sqlite_utils.Database(conn)
             self.db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            version = schema_version(self.db)
+            version = schema_version(self.db, self.path)
             if version is not None and version > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema version {version}; this autoflash reads up to "
                                  f"{SCHEMA_VERSION}: upgrade autoflash to use it")
             if not readonly:
                 self._retry(lambda: self.db.enable_wal())
-                self._retry(lambda: _apply_migrations(self.db))
+                self._retry(lambda: _apply_migrations(self.db, self.path))
             elif version is None:
                 raise StoreError(f"{self.path} is not an autoflash database (no schema version)")
+            elif missing := missing_schema(self.db):  # (opened for writing, it is repaired instead)
+                raise StoreError(f"{self.path} is damaged: it lacks {describe_missing(missing)}; opening it for "
+                                 "writing (e.g. `autoflash db import`, `autoflash tune`) repairs it")
         except sqlite3.DatabaseError as e:
             raise StoreError(f"cannot use {self.path}: {e}") from None
         except OSError as e:
@@ -265,10 +268,11 @@ class Store:
     def import_winners(self, data: dict) -> dict:
         """Upsert exported winners, all or nothing: every row is validated first (StoreError names
         the row and field), then one transaction writes them. Idempotent; on a key present in both,
-        the faster row is kept. Rows whose variant is not in the declared search space are rejected
-        (counted, not stored)."""
+        a row measured here (by a run of this DB) is kept, else the faster row. Imported rows lose
+        their run id (another DB's runs name nothing here). Rows whose variant is not in the
+        declared search space are rejected (counted, not stored)."""
         gpus, rows = validate_export(data)
-        accepted = [row for row in rows if declared_in_some_family(row)]
+        accepted = [{**row, "run_id": None} for row in rows if declared_in_some_family(row)]
         rejected = len(rows) - len(accepted)
 
         def write(conn) -> dict:
@@ -276,7 +280,8 @@ class Store:
             upserts = []
             for row in accepted:
                 mine = self.winner(row["gpu_key"], row["problem"], row["template_hash"])
-                if mine is not None and (mine == row or _ms(mine.get("median_ms")) <= row["median_ms"]):
+                if mine is not None and (mine == row or self._measured_here(mine)
+                                         or _ms(mine.get("median_ms")) <= row["median_ms"]):
                     counts["unchanged"] += 1
                     continue
                 upserts.append(row)
@@ -285,6 +290,12 @@ class Store:
             return counts
         return self._transaction(write)
 
+    def _measured_here(self, row: dict) -> bool:
+        """Whether a winners row was measured by a tuning run of this DB on its own GPU (not
+        imported): such a row is kept over an imported one, whatever the imported one claims."""
+        return row.get("run_id") is not None and self.db["runs"].count_where(
+            "id = ? and gpu_key = ?", [row["run_id"], row["gpu_key"]]) > 0
+
     def merge_from(self, path) -> dict:
         """Import the winners of another autoflash DB file (refused if its schema is foreign, or
         if any of its rows is invalid: nothing is written then)."""
@@ -292,7 +303,7 @@ class Store:
             raise StoreError(f"refusing to merge {path} into itself")
         other = Store(path, readonly=True)
         try:
-            version = schema_version(other.db)
+            version = schema_version(other.db, path)
             if version not in READABLE_VERSIONS:
                 raise StoreError(f"{path} has schema version {version}; this autoflash merges versions "
                                  f"{', '.join(map(str, READABLE_VERSIONS))}")

@@ -5,11 +5,15 @@ autoflash open and keep their rows."""
 from __future__ import annotations
 
 import datetime as _dt
+import functools
+import logging
 import sqlite3
 
 import sqlite_utils
 
-from autoflash.store_validate import SCHEMA_VERSION
+from autoflash.store_validate import SCHEMA_VERSION, StoreError
+
+log = logging.getLogger("autoflash")
 
 
 def now() -> str:
@@ -76,9 +80,51 @@ MIGRATIONS = [("001_initial", _m001_initial), ("002_run_process", _m002_run_proc
               ("003_occupancy_key", _m003_occupancy_key), ("004_paged_key", _m004_paged_key)]
 
 
-def _apply_migrations(db: sqlite_utils.Database) -> None:
+@functools.lru_cache(maxsize=None)
+def _reference() -> tuple[dict, dict]:
+    """What each migration makes, from running them all on an empty in-memory DB: (migration ->
+    [(table, column, declared type)] it adds, table -> its CREATE statement)."""
+    db = sqlite_utils.Database(memory=True)
+    added, before = {}, set()
+    for name, fn in MIGRATIONS:
+        fn(db)
+        now_there = {(t, c.name, c.type) for t in db.table_names() for c in db[t].columns}
+        added[name] = sorted(now_there - before)
+        before = now_there
+    return added, {t: db[t].schema for t in db.table_names()}
+
+
+def missing_schema(db: sqlite_utils.Database) -> list[tuple[str, str, str, str]]:
+    """(migration, table, column, type) for each column that a migration `_migrations` lists as
+    applied made and the file lacks (a damaged or hand-edited DB), in migration order."""
+    if "_migrations" not in db.table_names():
+        return []
+    done = {r["name"] for r in db["_migrations"].rows}
+    added, _ = _reference()
+    columns = {t: set(db[t].columns_dict) for t in db.table_names()}
+    return [(name, table, column, kind) for name, _ in MIGRATIONS if name in done
+            for table, column, kind in added[name] if column not in columns.get(table, ())]
+
+
+def _repair(db: sqlite_utils.Database, missing: list) -> None:
+    """Make what `missing_schema` found missing: the tables from their CREATE statement, the
+    columns added to the table (migrations are additive: rows there keep their values)."""
+    _, schemas = _reference()
+    with db.conn:
+        for table in dict.fromkeys(t for _, t, _, _ in missing):
+            if table not in db.table_names():
+                db.execute(schemas[table])
+        for _, table, column, kind in missing:
+            if column not in db[table].columns_dict:
+                db[table].add_column(column, kind)
+
+
+def _apply_migrations(db: sqlite_utils.Database, where="the results DB") -> None:
     db["_migrations"].create({"name": str, "applied_at": str}, pk="name", if_not_exists=True)
     db["_meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+    if missing := missing_schema(db):  # a migration listed as applied whose columns are not all there
+        log.warning("autoflash: repairing %s: it lacks %s", where, describe_missing(missing))
+        _repair(db, missing)
     done = {r["name"] for r in db["_migrations"].rows}
     for name, fn in MIGRATIONS:
         if name in done:
@@ -89,8 +135,21 @@ def _apply_migrations(db: sqlite_utils.Database) -> None:
     db["_meta"].upsert({"key": "schema_version", "value": str(SCHEMA_VERSION)}, pk="key")
 
 
-def schema_version(db: sqlite_utils.Database) -> int | None:
+def describe_missing(missing: list) -> str:
+    """For messages: what `missing_schema` found, e.g. 'winners.page (of migration 004_paged_key)'."""
+    shown = [f"{t}.{c} (of migration {m})" for m, t, c, _ in missing[:3]]
+    return ", ".join(shown) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+
+
+def schema_version(db: sqlite_utils.Database, where="the DB") -> int | None:
+    """The `_meta` schema_version (None: no `_meta`); StoreError naming `where` if it is no number."""
     if "_meta" not in db.table_names():
         return None
     row = db.execute("select value from _meta where key = 'schema_version'").fetchone()
-    return int(row[0]) if row else None
+    if row is None:
+        return None
+    try:
+        return int(row[0])
+    except (TypeError, ValueError):
+        raise StoreError(f"{where} is damaged: its schema_version (table _meta) is {row[0]!r}, not a "
+                         "number") from None

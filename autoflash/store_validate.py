@@ -27,6 +27,9 @@ _OPTIONAL_POSITIVE = ("default_ms", "sdpa_cudnn_ms", "sdpa_flash_ms")  # None or
 _OPTIONAL_NONNEGATIVE = ("spread", "tflops")  # None or finite >= 0
 _OPTIONAL_COUNT = ("trials", "run_id")  # None or an integer >= 0
 _OPTIONAL_TEXT = ("shape", "updated_at")
+# The shortest time a GPU kernel can take, in ms (one microsecond: a launch alone takes longer on
+# every GPU). A stored time below it is no measurement: imported, it would win every later conflict.
+MIN_KERNEL_MS = 1e-3
 
 
 # Of the results DB (autoflash.store re-exports it). 2: problem keys may carry the occupancy
@@ -111,11 +114,17 @@ def validate_winner(row, index: int) -> dict:
     for col in _POSITIVE:
         if not _is_number(row[col]) or row[col] <= 0:
             raise _error(what, f"field {col!r} must be a finite number > 0, got {row[col]!r}")
+        if row[col] < MIN_KERNEL_MS:
+            raise _error(what, f"field {col!r} is {row[col]!r} ms, below what any GPU kernel takes "
+                               f"({MIN_KERNEL_MS} ms): not a measurement")
     for col in _OPTIONAL_POSITIVE + _OPTIONAL_NONNEGATIVE:
         x = row.get(col)
         if x is not None and (not _is_number(x) or x < 0 or (x == 0 and col in _OPTIONAL_POSITIVE)):
             low = "> 0" if col in _OPTIONAL_POSITIVE else ">= 0"
             raise _error(what, f"field {col!r} must be empty or a finite number {low}, got {x!r}")
+        if x is not None and col in _OPTIONAL_POSITIVE and x < MIN_KERNEL_MS:
+            raise _error(what, f"field {col!r} is {x!r} ms, below what any GPU kernel takes "
+                               f"({MIN_KERNEL_MS} ms): not a measurement")
     for col in _OPTIONAL_COUNT:
         x = row.get(col)
         if x is not None and not _is_count(x):

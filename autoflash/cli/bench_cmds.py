@@ -169,6 +169,18 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
           metric=f"{op}_tflops")
 
 
+def _check_template(ctx, param, value):
+    """A template file that Jinja cannot parse is a usage error naming its file and line."""
+    from autoflash.codegen import TemplateError, check_template
+
+    if value is not None:
+        try:
+            check_template(value)
+        except TemplateError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
 @click.command()
 @click.option("--shapes", default="standard", show_default=True,
               help="Shape set: standard, gqa, tiny, ..., a TOML file, or random:N (N problems drawn from "
@@ -192,6 +204,7 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
               help="Time the forward or the backward kernels (without --fwdbwd/--overhead/--llama), or decode "
                    "(flash_attn_with_kvcache, one query token, contiguous and paged caches; TB/s of K and V).")
 @click.option("--baseline-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              callback=_check_template,
               help="Also time each shape's variant rendered from this template file (e.g. the previous "
                    "version of the op's template), as method 'baseline': an A/B of a template edit. A knob "
                    "value that template does not know renders as that template treats it.")

@@ -177,7 +177,7 @@ def db_export(db_file, fmt, table, op, current, output):
 @click.argument("json_file", type=click.Path(exists=True, dir_okay=False))
 @db_file_option
 def db_import(json_file, db_file):
-    """Import a winners JSON export (idempotent; the faster row wins a conflict).
+    """Import a winners JSON export (idempotent; a conflict keeps a row measured here, else the faster).
 
     Example: autoflash db import h200-winners.json
     """

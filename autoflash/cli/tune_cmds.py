@@ -164,14 +164,15 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     Every candidate is checked against a float64 reference before it is timed; failures
     (compile errors, wrong results, crashes, hangs) are recorded and the run goes on. Interrupt
     it at any time: finished trials are stored and a re-run resumes. With several GPUs, one
-    worker per GPU; with --storage, workers on several hosts join the same studies.
+    worker per GPU; with --storage, workers on several hosts join the same studies. Exit status:
+    0 every problem has a winner, 1 some got none (named), 2 a usage error, 130/143 interrupted.
 
     Example: autoflash tune --budget 15
     """
     from autoflash.cli.common import open_store
     from autoflash.device import gpu_fingerprint
     from autoflash.tuning import tuner as tune_mod
-    from autoflash.tuning.results import representative_shapes
+    from autoflash.tuning.results import representative_shapes, without_winner
     from autoflash.tuning import workers as workers_mod
     from autoflash.tuning.storage import describe, make_storage
     from autoflash.tuning.stopping import sigterm_interrupts
@@ -201,12 +202,21 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
         console.print("[yellow]interpreter mode: kernels run on the CPU; correctness is real, timings are not "
                       "GPU performance. A CUDA GPU is needed for real tuning.[/]")
     command = " ".join(["autoflash", *sys.argv[1:]])
-    with sigterm_interrupts():  # a scheduler's SIGTERM stops the run like Ctrl-C: work stored, DB one file
-        if n == 1:
-            results = _tune_one(workers_mod, shape_list, store, options, command)
-        else:
-            results = _tune_many(workers_mod, shape_list, store, options, n, gpus, command)
+    try:
+        with sigterm_interrupts():  # a scheduler's SIGTERM stops the run like Ctrl-C: work stored, DB one file
+            if n == 1:
+                results = _tune_one(workers_mod, shape_list, store, options, command)
+            else:
+                results = _tune_many(workers_mod, shape_list, store, options, n, gpus, command)
+    except Exception as e:  # noqa: BLE001 - the studies' database failing is one line, other errors rise
+        if not workers_mod.storage_failure(e):
+            raise
+        raise click.ClickException(f"the Optuna storage {describe(storage, store.path)} failed: {one_line(e)}") from None
     _report(results, store, op_list, device, interpret, md_path, trials)
+    if missing := without_winner(results):  # exit 1: a script must not take a partial run for a tuned one
+        raise click.ClickException(
+            f"{len(missing)} of {len(results)} problems got no winner: "
+            + ", ".join(f"{r.shape.label()} ({r.status.replace('_', ' ')})" for r in missing))
 
 
 def _tune_one(workers_mod, shape_list, store, options, command):

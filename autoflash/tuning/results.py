@@ -57,6 +57,12 @@ class ProblemResult:
         return tflops(self.shape, self.ms.get(method, float("nan")))
 
 
+def without_winner(results: list[ProblemResult]) -> list[ProblemResult]:
+    """The problems a run leaves with no winner (every candidate failed, the budget ran out before
+    them); not those whose winner another worker sharing the studies is picking."""
+    return [r for r in results if r.winner is None and r.status != "picking_elsewhere"]
+
+
 class Reporter:
     """Progress callbacks (the CLI draws them with rich; the library stays silent)."""
 

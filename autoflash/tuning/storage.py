@@ -5,7 +5,8 @@ found and tried again.
   FILE                an Optuna journal file anywhere, e.g. on a file system that several hosts
                       mount (its lock is an O_EXCL file: `journal.JournalPidLock`)
   postgresql://...    an Optuna RDBStorage (any SQLAlchemy URL: mysql://..., sqlite:///...), with
-                      Optuna's heartbeat: a trial whose worker stopped beating is failed
+                      Optuna's heartbeat: a trial whose worker stopped beating is failed; an
+                      sqlite:/// file must be new, empty or Optuna's (never the results DB)
 
 Every worker that measures a trial marks it with its owner ('host pid') and keeps it beating
 (`Liveness`): on an RDB through Optuna's heartbeat table, on a journal through a user attribute.
@@ -20,9 +21,12 @@ written as they happen; the studies only coordinate the search (see `autoflash.t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import pathlib
+import re
 import socket
 import threading
 import time
@@ -42,6 +46,14 @@ MAX_RETRIES = 3  # a trial whose workers keep dying is given up after this many 
 
 class StorageError(ValueError):
     """The --storage URL cannot be used (unreachable server, no driver, bad path)."""
+
+
+# libpq waits for a server that never answers for as long as TCP does (minutes, or forever
+# behind a firewall that drops packets): a tune must say that it cannot connect, and soon.
+CONNECT_TIMEOUT_S = 10
+# Tables of an Optuna RDB storage: an SQLite file without them (a results DB, another program's
+# DB) would be given Optuna's tables beside its own, and one it already has (`trials`) breaks them.
+_OPTUNA_TABLES = {"studies", "version_info"}
 
 
 def heartbeat_s() -> int:
@@ -75,8 +87,16 @@ def describe(storage: str | None, db_path=None) -> str:
         from sqlalchemy.engine import make_url
 
         return make_url(storage).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - a malformed URL is reported when it is opened
-        return storage
+    except Exception:  # noqa: BLE001 - a malformed URL: hide what stands where a password would
+        return re.sub(r"^([^:/]+://[^:@/]*:)[^@]*@", r"\1***@", storage)
+
+
+def connect_timeout_s() -> int:
+    """Seconds to wait for a database server to answer ($AUTOFLASH_CONNECT_TIMEOUT_S, default 10)."""
+    try:
+        return max(1, int(os.environ.get("AUTOFLASH_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S)))
+    except ValueError:
+        return CONNECT_TIMEOUT_S
 
 
 def make_storage(storage: str | None, db_path) -> optuna.storages.BaseStorage:
@@ -93,7 +113,7 @@ def make_storage(storage: str | None, db_path) -> optuna.storages.BaseStorage:
             return optuna.storages.JournalStorage(journal_file_backend(os.path.abspath(storage)))
         except OSError as e:
             raise StorageError(f"cannot use the journal file {storage}: {e.strerror or e}") from None
-    return _rdb_storage(storage)
+    return _rdb_storage(storage, db_path)
 
 
 def _not_a_journal(path: str) -> str | None:
@@ -112,12 +132,67 @@ def _not_a_journal(path: str) -> str | None:
     if first.startswith(b"SQLite format 3"):
         return "it is an SQLite database"
     try:
-        return None if isinstance(json.loads(first), dict) else "its first line is not a journal record"
+        record = json.loads(first)
     except ValueError:
         return "its first line is not a journal record"
+    # (a JSON-lines log's lines are JSON objects too: a journal's carry Optuna's operation code)
+    if not isinstance(record, dict) or not {"op_code", "worker_id"} <= record.keys():
+        return "its first line is not a journal record"
+    return None
 
 
-def _rdb_storage(given: str) -> optuna.storages.RDBStorage:
+def _sqlite_file(url) -> str | None:
+    """The file an sqlite:// URL names (None: in memory, or another database)."""
+    if not url.drivername.startswith("sqlite") or url.database in (None, "", ":memory:"):
+        return None
+    path = url.database
+    if path.startswith("file:"):  # (SQLite's URI form, sqlite:///file:x.db?uri=true)
+        path = path[len("file:"):]
+    return os.path.abspath(path)
+
+
+def _not_an_optuna_db(path: str, db_path) -> str | None:
+    """Why an SQLite file cannot hold Optuna's tables, or None (missing, empty, or Optuna's)."""
+    import sqlite3
+    import urllib.parse
+
+    from autoflash.store_validate import _same_file
+
+    if db_path is not None and _same_file(pathlib.Path(path), pathlib.Path(db_path)):
+        return "it is the results DB (or one of its files): the studies need a file of their own"
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            return None
+        with open(path, "rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                return "it is no SQLite database"
+        uri = "file:" + urllib.parse.quote(path) + "?mode=ro"
+        with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=30)) as conn:
+            tables = {r[0] for r in conn.execute("select name from sqlite_master where type = 'table'")}
+    except (OSError, sqlite3.Error) as e:
+        return f"it cannot be read ({e})"
+    if tables and not _OPTUNA_TABLES <= tables:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        return f"it is another program's SQLite database (tables {shown}), not an Optuna storage"
+    return None
+
+
+def _rdb_storage(given: str, db_path=None) -> optuna.storages.RDBStorage:
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(given)
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy says ValueError or ArgumentError: one line
+        reason = str(e).strip() or type(e).__name__
+        if port := re.search(r"invalid literal for int\(\) with base 10: (.*)", reason):
+            reason = f"its port {port.group(1)} is not a number"
+        raise StorageError(f"malformed storage URL {describe(given)}: {reason}") from None
+    sqlite_file = _sqlite_file(parsed)
+    if sqlite_file and (reason := _not_an_optuna_db(sqlite_file, db_path)):
+        raise StorageError(f"cannot use {describe(given)} as the Optuna storage: {reason} (name a new file)")
+    engine_kwargs = {"pool_pre_ping": True}
+    if parsed.drivername.startswith("postgres") and "connect_timeout" not in parsed.query:
+        engine_kwargs["connect_args"] = {"connect_timeout": connect_timeout_s()}
     url = _with_driver(given)
     interval = heartbeat_s()
     for attempt in range(5):  # workers starting together race to create the tables: try again
@@ -126,14 +201,15 @@ def _rdb_storage(given: str) -> optuna.storages.RDBStorage:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 return optuna.storages.RDBStorage(
                     url, heartbeat_interval=interval, grace_period=int(grace_s()),
-                    heartbeat_stale_trial_callback=retry_trial, engine_kwargs={"pool_pre_ping": True})
+                    heartbeat_stale_trial_callback=retry_trial, engine_kwargs=engine_kwargs)
         except ImportError as e:
             cause = e.__cause__ or e
             hint = ("pip install 'autoflash[postgres]'" if given.startswith("postgres")
                     else "the SQLAlchemy driver of that database")
             raise StorageError(f"no database driver for {describe(given)} ({cause}): install it, e.g. {hint}") from None
         except Exception as e:  # noqa: BLE001 - SQLAlchemy's errors: one line for the user
-            if attempt == 4 or "connect" in str(e).lower() or "argument" in str(e).lower():
+            text = str(e).lower()
+            if attempt == 4 or any(w in text for w in ("connect", "argument", "timeout", "timed out")):
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise StorageError(f"cannot open the Optuna storage {describe(given)}: {first}") from None
             time.sleep(0.2 * (attempt + 1))

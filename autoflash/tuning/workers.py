@@ -91,12 +91,37 @@ class _QueueReporter(Reporter):
         self.events.put(("problem", self.worker, result))
 
 
+_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(value: str | None) -> int | None:
+    """The logging level $AUTOFLASH_LOG names (debug, info, warning, error, critical, any case, or
+    a number); None when it is unset or names none (the workers then log as by default)."""
+    import logging
+
+    value = (value or "").strip()
+    if value.isdigit():
+        return int(value)
+    return getattr(logging, value.upper()) if value.lower() in _LEVELS else None
+
+
+def _warn_bad_log_level() -> None:
+    """Once per run, in the process that starts the workers (each worker ignores it silently)."""
+    import warnings
+
+    value = os.environ.get("AUTOFLASH_LOG")
+    if value and log_level(value) is None:
+        warnings.warn(f"AUTOFLASH_LOG={value!r} is not a log level ({', '.join(_LEVELS)}): ignored",
+                      RuntimeWarning, stacklevel=3)
+
+
 def _worker_main(worker: int, shapes: list[Shape], db_path: str, options: TuneOptions, command: str, events) -> None:
     """A worker process's body: `tune` on its own connection to the results DB."""
-    if os.environ.get("AUTOFLASH_LOG"):  # e.g. AUTOFLASH_LOG=debug: what the workers coordinate
+    level = log_level(os.environ.get("AUTOFLASH_LOG"))
+    if level is not None:  # e.g. AUTOFLASH_LOG=debug: what the workers coordinate
         import logging
 
-        logging.basicConfig(level=os.environ["AUTOFLASH_LOG"].upper(), format="%(asctime)s worker %(process)d %(message)s")
+        logging.basicConfig(level=level, format="%(asctime)s worker %(process)d %(message)s")
         logging.getLogger("optuna").setLevel(logging.WARNING)
     try:
         store = Store(db_path)
@@ -111,8 +136,17 @@ def _worker_main(worker: int, shapes: list[Shape], db_path: str, options: TuneOp
         raise SystemExit(143 if terminated else 130)
     except BaseException as e:  # noqa: BLE001 - reported by the parent, one line (details below it)
         events.put(("error", worker, f"{type(e).__name__}: {e}".strip().splitlines()[0] if str(e) else type(e).__name__))
-        traceback.print_exc()
+        if not storage_failure(e):  # (a storage that fails is said in that one line: no code is wrong)
+            traceback.print_exc()
         raise SystemExit(1)
+
+
+def storage_failure(e: BaseException) -> bool:
+    """Whether an error is the Optuna storage's (its database or journal failing, unreachable)."""
+    from autoflash.tuning.storage import StorageError
+
+    return isinstance(e, StorageError) or type(e).__module__.split(".")[0] in ("optuna", "sqlalchemy", "psycopg",
+                                                                              "psycopg2")
 
 
 @contextlib.contextmanager
@@ -143,6 +177,7 @@ def tune_workers(shapes: list[Shape], db_path, options: TuneOptions, workers: in
         raise ValueError(f"{workers} workers need {workers} GPUs, {len(gpus)} visible: two measuring "
                          "processes on one GPU would disturb each other's timings")
     make_storage(options.storage, db_path)  # once here: its tables made and its errors said before any start
+    _warn_bad_log_level()
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
     events = ctx.Queue()
     procs = {}

@@ -1,0 +1,141 @@
+"""The tuned winners of one GPU, in memory: loaded once from the user's DB and the shipped ones,
+each validated against its family's space, looked up by exact bucket or the nearest of the same kind,
+with the evidence (own vs SDPA-cuDNN times) the serving policy decides by."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+from autoflash import codegen
+from autoflash.device import GPUFingerprint
+from autoflash.problem import Problem
+from autoflash.serving_policy import Evidence
+from autoflash.space import InvalidVariant, Variant, load_space
+from autoflash.vendor import VENDOR_TIE_MARGIN
+
+
+class WinnerTable:
+    """Tuned winners that apply to one GPU fingerprint and the current templates, in memory.
+
+    Loaded once: the user DB ($AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db) first, then the
+    databases shipped in the package's cache/ folder (a user's own tuning wins). Only rows whose
+    GPU key and template hash match are kept, and each row's variant is validated against the
+    declared search space before it can ever be rendered. A missing, locked, corrupt or
+    foreign-version DB costs one warning, never an error.
+    """
+
+    def __init__(self, device: GPUFingerprint, paths: list | None = None):
+        self.device = device
+        self.rows: dict[str, Variant] = {}  # problem key -> variant (of any current family)
+        self.origins: dict[str, str] = {}  # problem key -> the DB file its winner came from
+        self._ms: dict[str, float] = {}  # problem key -> the winner's rank between families (see _load)
+        # The same for autoflash's own families only (a vendor winner is stored beside the best own)
+        self.own_rows: dict[str, Variant] = {}
+        self.own_origins: dict[str, str] = {}
+        self._own_ms: dict[str, float] = {}
+        # Stored winners of this GPU that cannot be served (and why): calls of those problems get
+        # what serves instead, so a benchmark says so (each one is also a RuntimeWarning)
+        self.rejected: list[str] = []
+        self.evidence = Evidence()  # own vs SDPA-cuDNN times per problem (serving_policy)
+        for path in self.default_paths() if paths is None else paths:
+            self._load(path)
+
+    @staticmethod
+    def default_paths() -> list:
+        from autoflash import resources
+        from autoflash.store import default_db_path
+
+        return [default_db_path(), *resources.shipped_databases()]
+
+    def _load(self, path) -> None:
+        from autoflash.store import Store, StoreError
+
+        try:
+            if not path.is_file():
+                return
+            # A short busy timeout: a DB locked by a writer costs a model one warning, not a stall.
+            store = Store(path, readonly=True, busy_timeout_ms=500)
+            try:
+                rows = store.winners(self.device.key)
+            finally:
+                store.close()
+        except Exception as e:  # ours, or sqlite3's for a damaged file: never break the caller's model
+            detail = str(e) if isinstance(e, (StoreError, OSError, ValueError)) else f"{type(e).__name__}: {e}"
+            warnings.warn(f"autoflash: ignoring results DB {path}: {detail}", RuntimeWarning, stacklevel=2)
+            self.rejected.append(f"results DB {path}: {detail}")
+            return
+        decided = set(self.rows)  # an earlier DB (the user's) already decided these problems
+        own_decided = set(self.own_rows)
+        for row in rows:
+            if row["problem"] in decided and row["problem"] in own_decided:
+                continue
+            try:
+                problem = Problem.from_key(row["problem"])
+                family = codegen.family_for_hash(problem.op, row["template_hash"], earlier=True)
+                if family is None:
+                    continue  # tuned for another version of the templates
+                space, knobs = load_space(family), json.loads(row["variant"])
+                if row["template_hash"] != codegen.template_hash(family) and isinstance(knobs, dict):
+                    knobs = {**space.legacy, **knobs}  # a vendor row of an earlier space file
+                variant = space.validate(knobs, problem, self.device)
+            except (InvalidVariant, ValueError, KeyError, TypeError) as e:
+                warnings.warn(f"autoflash: rejected winner for {row.get('problem')!r} in {path}: {e}",
+                              RuntimeWarning, stacklevel=2)
+                self.rejected.append(f"{row.get('problem')} in {path}: {e}")
+                continue
+            self.evidence.add(problem, variant, row)
+            ms = row.get("median_ms") if isinstance(row.get("median_ms"), (int, float)) else math.inf
+            vendor = load_space(family).vendor
+            # Between families an own kernel must beat a vendor one by the tie margin (see vendor.py).
+            tables = [(self.rows, self.origins, self._ms, decided, ms if vendor else ms * (1 + VENDOR_TIE_MARGIN))]
+            if not vendor:
+                tables.append((self.own_rows, self.own_origins, self._own_ms, own_decided, ms))
+            for winners, origins, medians, done, rank in tables:
+                if problem.key in done or (problem.key in winners and medians[problem.key] <= rank):
+                    continue  # two families' winners in one DB: the faster one serves
+                winners[problem.key], origins[problem.key], medians[problem.key] = variant, str(path), rank
+
+    def lookup(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str]:
+        """(variant, how) of `explain`: exact bucket, else the nearest of the same kind, else None."""
+        return self.explain(problem, own_only)[:2]
+
+    def explain(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str, str | None]:
+        """(variant, how, DB file it came from): like `lookup`, plus the winner's origin."""
+        rows, origins = (self.own_rows, self.own_origins) if own_only else (self.rows, self.origins)
+        exact = rows.get(problem.key)
+        if exact is not None:
+            return exact, "exact", origins[problem.key]
+        best, best_distance = None, math.inf
+        for key, variant in rows.items():
+            p = Problem.from_key(key)
+            if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group, p.page) != (
+                    problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group, problem.page):
+                continue  # (a paged cache's block size is never bridged: its winner is another kernel's)
+            work = work_distance(p.work, problem.work)
+            if p.work is not None and work > NEAREST_WORK_MAX:
+                continue  # another occupancy regime: the shape's default beats a big-batch winner
+            distance = (abs(math.log2(p.seqlen_q / problem.seqlen_q)) + abs(math.log2(p.seqlen_k / problem.seqlen_k))
+                        + work)
+            if distance < best_distance or (distance == best_distance and key < best[0]):
+                best, best_distance = (key, variant), distance
+        if best is None:
+            return None, "default", None
+        return best[1], f"nearest ({best[0]})", origins[best[0]]
+
+
+# A winner serves a problem of another occupancy bucket at most this many buckets (factors of 2 in
+# parallel work) away; further, the variant the space's [[defaults]] pick for the shape serves.
+NEAREST_WORK_MAX = 1
+
+
+def work_distance(row_work: int | None, work: int | None) -> float:
+    """Occupancy buckets between a stored winner's problem and a call's. A row stored before the key
+    had the bucket (None) counts as 1.5 buckets away: still served by the nearest rule whatever the
+    call's occupancy, but behind a winner tuned for this occupancy or the next one."""
+    if work is None:
+        return 0.0
+    if row_work is None:
+        return 1.5
+    return float(abs(row_work - work))

@@ -22,12 +22,11 @@ import torch
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back  # noqa: F401 (re-exported for callers)
 from autoflash.decode_kernels import launch
 from autoflash.decode_validate import validate_kvcache
-from autoflash.device import interpreter_enabled
 from autoflash.eager import eager_attention
 from autoflash.problem import unsupported_head_dim, unsupported_scale
 from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
 from autoflash.reference import dense_cache
-from autoflash.validate import KERNEL_DTYPES, check_alibi, check_flag, check_softcap, check_window
+from autoflash.validate import check_alibi, check_flag, check_softcap, check_window, unsupported_tensors
 
 
 # --------------------------------------------------------------------------- fallback
@@ -36,15 +35,7 @@ def _fallback(reason: str) -> None:
 
 
 def _unsupported_reason(q: torch.Tensor, scale: float) -> str | None:
-    if reason := unsupported_scale(scale):
-        return reason
-    if q.dtype not in KERNEL_DTYPES:
-        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32 are)"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreter_enabled()):
-        return f"{q.device.type} tensors need a CUDA GPU (or CPU tensors with TRITON_INTERPRET=1)"
-    if interpreter_enabled() and q.dtype == torch.bfloat16:
-        return "bfloat16 is not computed correctly by Triton's CPU interpreter"
-    return unsupported_head_dim(q.shape[-1])
+    return unsupported_scale(scale) or unsupported_tensors(q) or unsupported_head_dim(q.shape[-1])
 
 
 def _append(k_cache, v_cache, k, v, seqlens, block_table) -> None:

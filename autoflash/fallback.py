@@ -43,25 +43,23 @@ def _in_package(module: str) -> bool:
 
 def fall_back(reason: str, to: str = "torch SDPA") -> None:
     """Say (once per reason and target) or, in strict mode, refuse that a call goes to `to`."""
-    if strict_mode():
-        raise FallbackError(f"autoflash cannot run this call on its kernels: {reason} "
-                            "(AUTOFLASH_STRICT=1 turns fallbacks into errors)")
-    key = f"{to}: {reason}"
-    if key not in warned_reasons:
-        warned_reasons.add(key)
-        warnings.warn(f"autoflash: falling back to {to}: {reason}", FallbackWarning,
-                      stacklevel=_first_frame_outside_package())
+    _say_once(f"{to}: {reason}", f"autoflash: falling back to {to}: {reason}",
+              f"autoflash cannot run this call on its kernels: {reason}")
 
 
 def ignored(argument: str, where: str) -> None:
     """An argument autoflash does not know arrived and is not used: one warning per argument (a
     `FallbackError` under AUTOFLASH_STRICT=1), never dropped without a word."""
+    _say_once(f"ignored: {where}: {argument}",
+              f"autoflash: {where} does not know the argument {argument!r}: it is ignored; if it changes "
+              "attention's result, the answer is not that of the model's eager attention",
+              f"{where} does not know the argument {argument!r} and cannot serve it")
+
+
+def _say_once(key: str, warning: str, refusal: str) -> None:
+    """A `FallbackWarning` once per key, attributed to the caller's line; a `FallbackError` in strict mode."""
     if strict_mode():
-        raise FallbackError(f"{where} does not know the argument {argument!r} and cannot serve it "
-                            "(AUTOFLASH_STRICT=1 turns this into an error)")
-    key = f"ignored: {where}: {argument}"
+        raise FallbackError(f"{refusal} (AUTOFLASH_STRICT=1 turns fallbacks into errors)")
     if key not in warned_reasons:
         warned_reasons.add(key)
-        warnings.warn(f"autoflash: {where} does not know the argument {argument!r}: it is ignored; if it changes "
-                      "attention's result, the answer is not that of the model's eager attention",
-                      FallbackWarning, stacklevel=_first_frame_outside_package())
+        warnings.warn(warning, FallbackWarning, stacklevel=_first_frame_outside_package())

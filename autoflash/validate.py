@@ -106,6 +106,17 @@ def check_alibi(alibi_slopes, batch: int, heads: int, device) -> None:
         raise ValueError(f"alibi_slopes must be on q's device {device}, got {alibi_slopes.device}")
 
 
+def unsupported_tensors(q) -> str | None:
+    """Why no kernel takes tensors of q's dtype on q's device (every public function asks), or None."""
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32 are)"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreter_enabled()):
+        return f"{q.device.type} tensors need a CUDA GPU (or CPU tensors with TRITON_INTERPRET=1)"
+    if interpreter_enabled() and q.dtype == torch.bfloat16:
+        return "bfloat16 is not computed correctly by Triton's CPU interpreter"
+    return None
+
+
 def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = False) -> str | None:
     """Why the kernels cannot take this (valid) call, or None when they can. `training`: the call
     needs the backward too."""
@@ -118,12 +129,8 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = Fa
         return "an explicit attn_mask is not supported by the kernels"
     if dropout_p > 0.0:
         return "dropout_p > 0 is not supported by the kernels"
-    if q.dtype not in KERNEL_DTYPES:
-        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32 are)"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreter_enabled()):
-        return f"{q.device.type} tensors need a CUDA GPU (or CPU tensors with TRITON_INTERPRET=1)"
-    if interpreter_enabled() and q.dtype == torch.bfloat16:
-        return "bfloat16 is not computed correctly by Triton's CPU interpreter"
+    if reason := unsupported_tensors(q):
+        return reason
     if interpreter_enabled() and (numpy_problem := interpreter_numpy_problem()):
         return numpy_problem
     d, dv = q.shape[-1], v.shape[-1]

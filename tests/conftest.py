@@ -56,6 +56,18 @@ def _isolated_caches(tmp_path_factory):
     yield
 
 
+@pytest.fixture
+def own_kernels(monkeypatch):
+    """The own kernels serve wherever they take a call (the serving policy's SDPA-cuDNN default off):
+    for GPU tests of the own kernels' paths through the public API."""
+    from autoflash import api, dispatch
+
+    monkeypatch.setattr(dispatch, "cudnn_variant", lambda problem, device: None)
+    api.reset()
+    yield
+    api.reset()
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
     skip_interp = pytest.mark.skip(reason="runs kernels in the Triton interpreter: set TRITON_INTERPRET=1")

@@ -208,7 +208,7 @@ def test_transformers_llama_bf16_matches_sdpa(monkeypatch):
 
 @pytest.mark.parametrize("b, h, n, d, causal, layout", [(1, 1, 128, 64, True, "bhnd"), (2, 8, 1023, 128, False, "bhnd"),
                                                        (2, 4, 777, 64, True, "bnhd")])
-def test_repeated_calls_launch_directly_and_stay_correct(b, h, n, d, causal, layout):
+def test_repeated_calls_launch_directly_and_stay_correct(b, h, n, d, causal, layout, own_kernels):
     """The second call of a signature takes the API's direct launcher: new data, the right answer."""
     from autoflash import api
     from autoflash.reference import make_inputs, reference, rel_error

@@ -1,0 +1,295 @@
+"""Are the kernel families' kernels the same kernels as before the templates were reorganised?
+
+Every variant that matters is checked: each winner in the shipped DBs (`cache/*.db`) and each
+family's default variant for the shipped problems (and a few decode problems). For each one the
+kernel rendered from the earlier templates (frozen in `family_identity_baseline.json.gz`, taken
+from git at BASELINE_COMMIT) is compared with today's family (`codegen.load`):
+
+- device code: the `@triton.jit` / `@gluon.jit` functions of both rendered modules (and the module
+  constants they read), compared as Python syntax trees (comments and line numbers left out);
+  identical trees compile to identical kernels for the same arguments;
+- outputs: both kernels run on the same random inputs and must agree bit for bit: O and LSE for a
+  forward, dQ, dK and dV for a backward, O and LSE for decode. `--gpu` runs them on the GPU (every
+  family, the problem's dtype); without it they run in Triton's CPU interpreter (Triton families,
+  float16, tiny shapes; Gluon kernels do not run there and are checked by their device code, plus
+  and so checked by their device code only).
+
+One command, torch + triton + jinja2 only (no optuna, no sqlite-utils):
+    python benchmarks/family_identity.py --gpu --out identity.json
+Prints one summary line; exits 1 when any variant differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import dataclasses
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BASELINE_COMMIT = "5f74ac25a4ffcf86b19ca14a2b379108d2e7df66"  # main before the family folders
+BASELINE_FILE = pathlib.Path(__file__).with_name("family_identity_baseline.json.gz")
+# The earlier templates, per family (the families' names did not change).
+BASELINE_TEMPLATES = {"triton_fwd": "templates/attn_fwd.py.jinja", "triton_bwd": "templates/attn_bwd.py.jinja",
+                      "gluon_sm90_fwd": "templates/attn_fwd_sm90.py.jinja",
+                      "triton_decode": "templates/attn_decode.py.jinja"}
+
+
+# --------------------------------------------------------------------------- the earlier templates
+def write_baseline() -> None:
+    """Freeze the earlier templates from git (run once, in a checkout that has BASELINE_COMMIT)."""
+    files = {f: subprocess.run(["git", "show", f"{BASELINE_COMMIT}:{path}"], cwd=ROOT, check=True,
+                               capture_output=True, text=True).stdout for f, path in BASELINE_TEMPLATES.items()}
+    blob = gzip.compress(json.dumps({"commit": BASELINE_COMMIT, "templates": files}, sort_keys=True).encode(), mtime=0)
+    BASELINE_FILE.write_bytes(blob)
+
+
+def baseline_templates() -> dict[str, str]:
+    data = json.loads(gzip.decompress(BASELINE_FILE.read_bytes()))
+    assert data["commit"] == BASELINE_COMMIT
+    return data["templates"]
+
+
+def baseline_hashes() -> dict[str, str]:
+    """family -> its template hash at BASELINE_COMMIT (the hash the shipped winners are keyed by)."""
+    return {f: hashlib.sha256(text.encode()).hexdigest()[:16] for f, text in baseline_templates().items()}
+
+
+def render_baseline(variant) -> str:
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    return env.from_string(baseline_templates()[variant.family]).render(**variant.as_dict())
+
+
+def import_source(source: str, name: str, folder: pathlib.Path):
+    """A module from rendered source, imported from a real file (`@triton.jit` reads it)."""
+    path = folder / f"{name}.py"
+    path.write_text(source, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- which variants
+def shipped_variants(device) -> list[tuple[str, object, object]]:
+    """(where, variant, problem) for each shipped winner of an own family, and each problem's default."""
+    from autoflash.problem import Problem
+    from autoflash.space import load_space
+
+    by_hash = {h: f for f, h in baseline_hashes().items()}
+    out, seen = [], set()
+    for db in sorted((ROOT / "cache").glob("*.db")):
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        for problem_key, thash, variant_json in con.execute(
+                "select problem, template_hash, variant from winners order by problem, template_hash"):
+            family = by_hash.get(thash)
+            if family is None:
+                continue  # a vendor (SDPA) winner, or a template older than the baseline
+            problem = Problem.from_key(problem_key)
+            space = load_space(family)
+            for where, variant in ((f"winner {db.name}", space.check_declared(json.loads(variant_json))),
+                                   ("default", space.nearest_valid(space.default_for(problem, device), problem,
+                                                                   device))):
+                if (variant, problem.head_dim, problem.causal, problem.gqa_group) not in seen:
+                    seen.add((variant, problem.head_dim, problem.causal, problem.gqa_group))
+                    out.append((where, variant, problem))
+        con.close()
+    for d in (64, 128):  # decode: no shipped winners; its defaults for a few problems
+        for group, q_len, n in ((1, 1, 4096), (4, 1, 32768), (8, 4, 1024)):
+            problem = Problem("decode", "bfloat16", d, q_len > 1, group, q_len, n)
+            space = load_space("triton_decode")
+            variant = space.nearest_valid(space.default_for(problem, device), problem, device)
+            if (variant, d, problem.causal, group) not in seen:
+                seen.add((variant, d, problem.causal, group))
+                out.append(("default", variant, problem))
+    return out
+
+
+# --------------------------------------------------------------------------- device code
+def device_code(source: str) -> dict[str, str]:
+    """name -> syntax tree dump of each jit function and of each module constant a jit function reads."""
+    tree = ast.parse(source)
+    jits = [n for n in tree.body if isinstance(n, ast.FunctionDef) and any(
+        (d.func if isinstance(d, ast.Call) else d).attr == "jit" for d in n.decorator_list
+        if isinstance(d.func if isinstance(d, ast.Call) else d, ast.Attribute))]
+    read = {n.id for f in jits for n in ast.walk(f) if isinstance(n, ast.Name)}
+    out = {}
+    for node in jits:
+        if ast.get_docstring(node):
+            node.body = node.body[1:]
+        out[node.name] = ast.dump(node)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and node.targets[0].id in read:
+            out[node.targets[0].id] = ast.dump(node.value)
+    return out
+
+
+# --------------------------------------------------------------------------- running both
+def _inputs(op, problem, dtype, device, gpu: bool, seed: int):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    d, group = problem.head_dim, problem.gqa_group
+    if op == "decode":
+        b, q_len, hkv, n = (3, problem.seqlen_q, 2, 1000) if gpu else (2, problem.seqlen_q, 1, 70)
+        shapes = dict(q=(b, q_len, hkv * group, d), k=(b, n, hkv, d), v=(b, n, hkv, d))
+    else:
+        b, hkv, nq, nk = (2, 3, 777, 1029) if gpu else (1, 1, 37, 45)
+        shapes = dict(q=(b, hkv * group, nq, d), k=(b, hkv, nk, d), v=(b, hkv, nk, d), do=(b, hkv * group, nq, d))
+    return {name: torch.randn(s, generator=g).to(dtype=dtype, device=device) for name, s in shapes.items()}
+
+
+def _run(kernel_call, op, t, problem, old: bool):
+    """Run one kernel (the earlier module, or today's `Kernel`) and return its outputs."""
+    import torch
+
+    q, k, v = t["q"], t["k"], t["v"]
+    scale = q.shape[-1] ** -0.5
+    if op == "decode":
+        o = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device, dtype=torch.float32)
+        seqlens = torch.tensor([k.shape[1] - 7 * i for i in range(q.shape[0])], dtype=torch.int32, device=q.device)
+        if old:
+            from autoflash.codegen import tma_compatible
+            kernel_call.launch(q, k, v, o, lse, scale, problem.causal, seqlens, None, sm_count=8,
+                               tma_ok=kernel_call.LOADS == "tma" and tma_compatible(k, v))
+        else:
+            kernel_call.decode(q, k, v, o, lse, scale, problem.causal, seqlens, None, sm_count=8)
+        return {"o": o, "lse": lse}
+    offset = k.shape[2] - q.shape[2]  # bottom-right causal (the top-left is offset 0: same code path)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
+    fwd = (lambda *a: kernel_call.launch(*a)) if old else kernel_call.forward
+    if op == "fwd":
+        fwd(q, k, v, o, lse, scale, problem.causal, offset)
+        return {"o": o, "lse": lse}
+    # the same forward (today's default) gives both backward kernels their O and LSE
+    o, lse = t["o"], t["lse"]
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    call = (lambda *a: kernel_call.launch(*a)) if old else kernel_call.backward
+    call(q, k, v, o, lse, t["do"], dq, dk, dv, scale, problem.causal, offset)
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+def check_outputs(where, variant, problem, old_module, gpu: bool, seed: int) -> dict:
+    import torch
+
+    from autoflash import codegen
+    from autoflash.space import Variant
+
+    dtype = getattr(torch, problem.dtype) if gpu else torch.float16  # (bf16 is wrong in the interpreter)
+    device = "cuda" if gpu else "cpu"
+    op = variant.op
+    t = _inputs(op, problem, dtype, device, gpu, seed)
+    if op == "bwd":
+        fwd = codegen.load(Variant.of("fwd", _plain_forward_knobs()))
+        t["o"] = torch.empty_like(t["q"])
+        t["lse"] = torch.empty(t["q"].shape[:3], device=device, dtype=torch.float32)
+        fwd.forward(t["q"], t["k"], t["v"], t["o"], t["lse"], t["q"].shape[-1] ** -0.5, problem.causal,
+                    t["k"].shape[2] - t["q"].shape[2])
+    new = codegen.load(variant)
+    why = new.unsupported(t["q"], t["k"], t["v"], t.get("do", t["q"])) if op != "decode" else None
+    if why:
+        return {"outputs": "skipped", "why": why}
+    codegen.ensure_allocator()
+    before = _run(old_module, op, t, problem, old=True)
+    after = _run(new, op, t, problem, old=False)
+    if gpu:
+        torch.cuda.synchronize()
+    differ = [name for name in before if not torch.equal(before[name].nan_to_num(7.0), after[name].nan_to_num(7.0))
+              or bool((before[name].isnan() != after[name].isnan()).any())]
+    nan = [name for name in before if bool(before[name].isnan().any()) and name != "lse"]
+    return {"outputs": "differ" if differ else "identical", "differ": differ, "nan_outputs": nan}
+
+
+def _plain_forward_knobs() -> dict:
+    from autoflash.space import load_space
+
+    knobs = {k: c[0] for k, c in load_space("triton_fwd").knobs.items()}
+    return {**knobs, "LOADS": "pointer", "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true", help="run both kernels on the GPU (default: the CPU interpreter)")
+    parser.add_argument("--out", help="write the per-variant results as JSON here")
+    parser.add_argument("--limit", type=int, default=0, help="check only the first N variants (0: all)")
+    parser.add_argument("--no-run", action="store_true", help="compare the device code only")
+    parser.add_argument("--write-baseline", action="store_true", help="freeze the earlier templates from git")
+    args = parser.parse_args(argv)
+    if args.write_baseline:
+        write_baseline()
+        return 0
+    if not args.gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("AUTOFLASH_KERNEL_CACHE", tempfile.mkdtemp(prefix="autoflash-identity-"))
+    import torch
+
+    from autoflash import codegen
+    from autoflash.device import gpu_fingerprint
+
+    device = gpu_fingerprint() if args.gpu else dataclasses.replace(gpu_fingerprint(), cc_major=9, cc_minor=0)
+    variants = shipped_variants(device)[:args.limit or None]
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="autoflash-identity-old-"))
+    results, start = [], time.time()
+    for i, (where, variant, problem) in enumerate(variants):
+        row = {"family": variant.family, "where": where, "problem": problem.key, "variant": variant.as_dict()}
+        old_source = render_baseline(variant)
+        row["device_code"] = "identical" if device_code(old_source) == device_code(codegen.render(variant)) else "differ"
+        gluon = variant.family.startswith("gluon") or (variant.op == "bwd" and variant.as_dict().get("DKDV_KERNEL")
+                                                      == "gluon_sm90")
+        if args.no_run or (gluon and not args.gpu):
+            row["outputs"] = "not run"
+        else:
+            try:
+                with (codegen.interpreter_off() if gluon else _nothing()):
+                    old = import_source(old_source, f"identity_old_{i}", folder)
+                row.update(check_outputs(where, variant, problem, old, args.gpu, seed=i))
+            except Exception as e:  # a failure to run is a finding, not a crash of the whole check
+                limit = not args.gpu and "InterpreterBuilder" in str(e)  # (e.g. TMA reductions: GPU only)
+                row.update(outputs="not run" if limit else "error", error=f"{type(e).__name__}: {e}"[:500])
+        results.append(row)
+        print(f"[{i + 1}/{len(variants)}] {variant.family} {problem.key} {variant.short()}: device code "
+              f"{row['device_code']}, outputs {row['outputs']}", flush=True)
+    count = lambda key, value: sum(r[key] == value for r in results)  # noqa: E731
+    summary = {"variants": len(results), "device_code_identical": count("device_code", "identical"),
+               "outputs_identical": count("outputs", "identical"), "outputs_differ": count("outputs", "differ"),
+               "errors": count("outputs", "error"), "not_run": count("outputs", "not run") + count("outputs", "skipped"),
+               "mode": "gpu" if args.gpu else "cpu-interpreter", "seconds": round(time.time() - start, 1),
+               "torch": torch.__version__, "baseline_commit": BASELINE_COMMIT,
+               "device": torch.cuda.get_device_name() if args.gpu else "cpu"}
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({"summary": summary, "variants": results}, indent=1))
+    print("identity: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+    # A variant not run (Gluon on the CPU) counts as identical only by its device code.
+    unproven = [r for r in results if r["outputs"] in ("not run", "skipped") and r["device_code"] != "identical"]
+    return 1 if summary["outputs_differ"] or summary["errors"] or unproven else 0
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

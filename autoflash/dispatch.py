@@ -91,6 +91,7 @@ class WinnerTable:
             return
         decided = set(self.rows)  # an earlier DB (the user's) already decided these problems
         own_decided = set(self.own_rows)
+        stale = 0
         for row in rows:
             if row["problem"] in decided and row["problem"] in own_decided:
                 continue
@@ -98,7 +99,8 @@ class WinnerTable:
                 problem = Problem.from_key(row["problem"])
                 family = codegen.family_for_hash(problem.op, row["template_hash"], earlier=True)
                 if family is None:
-                    continue  # tuned for another version of the templates
+                    stale += 1  # tuned for another version of the templates, not carried over by `replaces`
+                    continue
                 space, knobs = load_space(family), json.loads(row["variant"])
                 if row["template_hash"] != codegen.template_hash(family) and isinstance(knobs, dict):
                     knobs = {**space.legacy, **knobs}  # a vendor row of an earlier space file
@@ -118,6 +120,10 @@ class WinnerTable:
                 if problem.key in done or (problem.key in winners and medians[problem.key] <= rank):
                     continue  # two families' winners in one DB: the faster one serves
                 winners[problem.key], origins[problem.key], medians[problem.key] = variant, str(path), rank
+        if stale:  # once per DB opened: a template edit never demotes winners silently
+            logging.getLogger("autoflash").warning(
+                "autoflash: %d winner(s) in %s were tuned for earlier templates that no `replaces` record "
+                "carries over; their problems get the defaults until retuned", stale, path)
 
     def lookup(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str]:
         """(variant, how): exact bucket, else the nearest bucket of the same kind, else None.

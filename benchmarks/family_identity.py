@@ -128,7 +128,9 @@ def device_code(source: str) -> dict[str, str]:
     jits = [n for n in tree.body if isinstance(n, ast.FunctionDef) and any(
         (d.func if isinstance(d, ast.Call) else d).attr == "jit" for d in n.decorator_list
         if isinstance(d.func if isinstance(d, ast.Call) else d, ast.Attribute))]
-    read = {n.id for f in jits for n in ast.walk(f) if isinstance(n, ast.Name)}
+    # globals a kernel reads: names it uses that are none of its arguments (Triton inlines constants)
+    read = {n.id for f in jits for n in ast.walk(f) if isinstance(n, ast.Name)
+            and n.id not in {a.arg for a in f.args.args + f.args.kwonlyargs}}
     out = {}
     for node in jits:
         if ast.get_docstring(node):
@@ -233,6 +235,9 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=0, help="check only the first N variants (0: all)")
     parser.add_argument("--no-run", action="store_true", help="compare the device code only")
     parser.add_argument("--write-baseline", action="store_true", help="freeze the earlier templates from git")
+    parser.add_argument("--write-replaces", action="store_true",
+                        help="record, for each family whose every variant is identical, that its template "
+                             "replaces the earlier one (autoflash/families/<name>/replaces.toml)")
     args = parser.parse_args(argv)
     if args.write_baseline:
         write_baseline()
@@ -280,7 +285,41 @@ def main(argv=None) -> int:
     print("identity: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     # A variant not run (Gluon on the CPU) counts as identical only by its device code.
     unproven = [r for r in results if r["outputs"] in ("not run", "skipped") and r["device_code"] != "identical"]
+    if args.write_replaces:
+        write_replaces(results, summary)
     return 1 if summary["outputs_differ"] or summary["errors"] or unproven else 0
+
+
+def _same(row) -> bool:
+    return row["outputs"] == "identical" or (row["outputs"] in ("not run", "skipped")
+                                             and row["device_code"] == "identical")
+
+
+def write_replaces(results: list[dict], summary: dict) -> None:
+    """Add (or renew) `[[replaces]]` earlier hash -> today's hash for each family all of whose
+    variants were shown identical in this run, with the run's evidence."""
+    from autoflash import codegen, families
+
+    old = baseline_hashes()
+    for family in sorted({r["family"] for r in results}):
+        rows = [r for r in results if r["family"] == family]
+        if not families.has_folder(family) or not all(_same(r) for r in rows):
+            continue
+        ran = sum(r["outputs"] == "identical" for r in rows)
+        evidence = (f"benchmarks/family_identity.py ({summary['mode']}, {summary['device']}, torch {summary['torch']}, "
+                    f"{time.strftime('%Y-%m-%d')}): {len(rows)} variants (shipped winners and defaults), device code "
+                    f"identical in {sum(r['device_code'] == 'identical' for r in rows)}, outputs bitwise identical "
+                    f"in {ran}, the rest not run there and identical by device code")
+        record = {"hash": old[family], "by": codegen.template_hash(family), "evidence": evidence}
+        kept = [r for r in families.replacements(family) if r["hash"] != old[family]]
+        path = families.FOLDER / family / "replaces.toml"
+        lines = ["# Earlier template hashes whose stored winners this family serves: the kernels they name are",
+                 "# today's, unchanged (`by`: the template hash the evidence was taken against; a template edit",
+                 "# since carries nothing over until it is checked again, see benchmarks/family_identity.py).", ""]
+        for r in [*kept, record]:
+            lines += ["[[replaces]]", *(f"{k} = {json.dumps(r[k])}" for k in ("hash", "by", "evidence")), ""]
+        path.write_text("\n".join(lines))
+        print(f"{path}: {record['hash']} -> {record['by']}")
 
 
 class _nothing:

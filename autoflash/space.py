@@ -29,7 +29,7 @@ FAMILIES = {
     "triton_fwd": ("families", "triton_fwd/space.toml"),
     "triton_bwd": ("search_spaces", "attn_bwd.toml"),
     "gluon_sm90_fwd": ("search_spaces", "attn_fwd_sm90.toml"),  # Hopper only (its constraints say cc 9.0)
-    "triton_decode": ("search_spaces", "attn_decode.toml"),
+    "triton_decode": ("families", "triton_decode/space.toml"),
     # vendor kernels (torch SDPA backends) as candidates: autoflash/vendor.py
     "sdpa_fwd": ("search_spaces", "sdpa_fwd.toml"),
     "sdpa_bwd": ("search_spaces", "sdpa_bwd.toml"),

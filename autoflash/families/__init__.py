@@ -22,6 +22,7 @@ HOST = "host.py"
 # line here and one in `autoflash.space.FAMILIES`.
 HOSTS = {
     "triton_fwd": "autoflash.families.triton_fwd.host:TritonForward",
+    "triton_decode": "autoflash.families.triton_decode.host:TritonDecode",
 }
 
 

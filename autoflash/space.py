@@ -28,7 +28,7 @@ ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 FAMILIES = {
     "triton_fwd": ("families", "triton_fwd/space.toml"),
     "triton_bwd": ("search_spaces", "attn_bwd.toml"),
-    "gluon_sm90_fwd": ("search_spaces", "attn_fwd_sm90.toml"),  # Hopper only (its constraints say cc 9.0)
+    "gluon_sm90_fwd": ("families", "gluon_sm90_fwd/space.toml"),  # Hopper only (its constraints say cc 9.0)
     "triton_decode": ("families", "triton_decode/space.toml"),
     # vendor kernels (torch SDPA backends) as candidates: autoflash/vendor.py
     "sdpa_fwd": ("search_spaces", "sdpa_fwd.toml"),

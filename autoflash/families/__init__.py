@@ -22,6 +22,7 @@ HOST = "host.py"
 # line here and one in `autoflash.space.FAMILIES`.
 HOSTS = {
     "triton_fwd": "autoflash.families.triton_fwd.host:TritonForward",
+    "gluon_sm90_fwd": "autoflash.families.gluon_sm90_fwd.host:GluonSm90Forward",
     "triton_decode": "autoflash.families.triton_decode.host:TritonDecode",
 }
 

@@ -44,8 +44,8 @@ _modules: dict[tuple[str, str, str], ModuleType] = {}
 @functools.lru_cache(maxsize=None)
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
-        # "<family>/kernel.py.jinja" and the shared includes "_shared/<part>.jinja"
-        loader=jinja2.FileSystemLoader([str(resources.data_dir("families")), str(resources.data_dir("templates"))]),
+        # "<family>/kernel.py.jinja", a family's other parts and the shared includes "_shared/<part>.jinja"
+        loader=jinja2.FileSystemLoader(str(resources.data_dir("families"))),
         undefined=jinja2.StrictUndefined,  # a knob the template reads but the variant lacks: error
         keep_trailing_newline=True,
         autoescape=False,
@@ -61,13 +61,11 @@ def template_source(family: str) -> str:
     space = load_space(family)
     if space.vendor:  # nothing rendered: the space file is what a stored result depends on
         return resources.read_text(*FAMILIES[family])
-    if families.has_folder(family):
-        return families.hashed_source(family)
-    return resources.read_text("templates", space.template)
+    return families.hashed_source(family)
 
 
 def _template_name(family: str) -> str:
-    return f"{family}/{families.TEMPLATE}" if families.has_folder(family) else load_space(family).template
+    return f"{family}/{load_space(family).template}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +92,7 @@ def replaced_hashes(family: str) -> tuple[str, ...]:
     space = load_space(family)
     if space.vendor:
         return space.replaces
-    return families.replaced_hashes(space.family, template_hash(family)) if families.has_folder(space.family) else ()
+    return families.replaced_hashes(space.family, template_hash(family))
 
 
 def _source_hash(source: str) -> str:
@@ -245,33 +243,9 @@ def batch_chunks(batch: int, heads: int, *tensors):
     return [tuple(None if t is None else t[first:first + per] for t in tensors) for first in range(0, batch, per)]
 
 
-class _ModuleHost:
-    """The host of a family still rendered as one module with its launch inside (the earlier duck
-    type: `OP`, `LOADS`, positional `launch`, optional `supports`/`launch_varlen`)."""
-
-    def __init__(self, variant: Variant, module: ModuleType):
-        if module.OP != variant.op:
-            raise ValueError(f"{variant.family}: the template renders an {module.OP!r} module, the space says {variant.op!r}")
-        self.name, self.op, self.knobs, self.kernels = variant.family, module.OP, variant.as_dict(), module
-        self.uses_tma = module.LOADS == "tma"
-        self.supports_varlen = hasattr(module, "launch_varlen")
-        self._supports = getattr(module, "supports", None)
-
-    def supports(self, q, k, v, o):
-        return self._supports(q, k, v, o) if self._supports is not None else None
-
-    def launch(self, **kw):
-        return self.kernels.launch(*kw.values())
-
-    def launch_varlen(self, **kw):
-        return self.kernels.launch_varlen(*kw.values())
-
-
 def make_host(variant: Variant, module: ModuleType):
-    """The family's host object for this variant's rendered module."""
-    if families.has_folder(variant.family):
-        return families.host_class(variant.family)(variant.as_dict(), module)
-    return _ModuleHost(variant, module)
+    """The family's host object (`families.base.Family`) for this variant's rendered module."""
+    return families.host_class(variant.family)(variant.as_dict(), module)
 
 
 class Kernel:

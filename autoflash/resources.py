@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.resources
 import pathlib
 
-FOLDERS = ("families", "templates", "search_spaces", "cache")
+FOLDERS = ("families", "search_spaces", "cache")
 
 
 def data_dir(folder: str) -> pathlib.Path:

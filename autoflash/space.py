@@ -27,7 +27,7 @@ ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # `autoflash.families.HOSTS`. See README "Adding a kernel family".
 FAMILIES = {
     "triton_fwd": ("families", "triton_fwd/space.toml"),
-    "triton_bwd": ("search_spaces", "attn_bwd.toml"),
+    "triton_bwd": ("families", "triton_bwd/space.toml"),
     "gluon_sm90_fwd": ("families", "gluon_sm90_fwd/space.toml"),  # Hopper only (its constraints say cc 9.0)
     "triton_decode": ("families", "triton_decode/space.toml"),
     # vendor kernels (torch SDPA backends) as candidates: autoflash/vendor.py

@@ -221,6 +221,96 @@ def check_outputs(where, variant, problem, old_module, gpu: bool, seed: int) -> 
     return {"outputs": "differ" if differ else "identical", "differ": differ, "nan_outputs": nan}
 
 
+def _describe(x):
+    """A launch argument as comparable data: a TMA descriptor by its tensor, shape, strides, box and
+    shared-memory layout; a tensor by identity; anything else as is."""
+    import torch
+
+    if hasattr(x, "block_shape"):
+        return ("descriptor", id(x.base), list(x.shape), list(x.strides), list(x.block_shape), repr(x.layout))
+    return ("tensor", id(x)) if isinstance(x, torch.Tensor) else x
+
+
+def gluon_args_same(variant, old_module) -> str:
+    """Do the earlier module and today's host build the same Gluon launch (arguments, constexprs,
+    grid, options) for the same tensors? Checked on CPU tensors (no launch)."""
+    import torch
+
+    from autoflash import codegen
+
+    with codegen.interpreter_off():
+        host = codegen.load(variant).host
+    q, do = (torch.empty(2, 4, 333, 128, dtype=torch.bfloat16) for _ in range(2))
+    k, v, dk, dv = (torch.empty(2, 2, 517, 128, dtype=torch.bfloat16) for _ in range(4))
+    lse, delta = (torch.empty(2, 4, 333, dtype=torch.float32) for _ in range(2))
+    if variant.family == "gluon_sm90_fwd":
+        before = old_module._kernel_args(q, k, v, do, lse, 0.125, True, 517 - 333, num_sms=132)
+        after = host.kernel_args(q, k, v, do, lse, 0.125, True, 517 - 333, sms=132)
+    else:
+        from autoflash.families.triton_bwd import gluon_dkdv
+
+        before = old_module._gl_dkdv_args(q, k, v, do, dk, dv, lse, delta, 0.125, True, 517 - 333)
+        after = gluon_dkdv.launch_args(host.knobs, q, k, v, do, dk, dv, lse, delta, 0.125, True, 517 - 333)
+    same = [_describe(a) for a in before[0]] == [_describe(a) for a in after[0]] and before[1:] == after[1:]
+    return "identical" if same else f"differ: {before[1:]} vs {after[1:]}"
+
+
+def ttir_same(variant, old_module) -> str:
+    """Where outputs cannot be compared here: do the earlier module and today's host launch kernels
+    whose Triton IR for sm90 (inlined, optimized, locations left out) is the same? Both launches are
+    captured on CPU tensors (compile_only) and each captured kernel compiled on this machine."""
+    import re
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction, mangle_type
+
+    from autoflash import codegen
+
+    def captured(module, launch):
+        launches = []
+        for jit in [f for f in vars(module).values() if isinstance(f, JITFunction)]:
+            jit.warmup = (lambda jit: lambda *a, **kw: launches.append((jit, a, kw)))(jit)
+        launch()
+        return launches
+
+    def ttir(jit, args, kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k != "grid"}
+        constexprs = {n: kwargs[n] for n in jit.arg_names if n in kwargs}
+        constexprs.update({prm.name: prm.default for prm in jit.params[len(args) + len(constexprs):]
+                           if prm.name not in constexprs})  # (constexprs left at their defaults)
+        values = iter(args)
+        signature = {n: "constexpr" if n in constexprs else mangle_type(next(values)) for n in jit.arg_names}
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+        with codegen.interpreter_off():
+            ir = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                options=options).asm["ttir"]
+        return re.sub(r"\s*loc\([^()]*(\([^()]*\)[^()]*)*\)", "", re.sub(r"^#loc.*$", "", ir, flags=re.M))
+
+    d = 128
+    q, o, do, dq = (torch.empty(2, 4, 333, d, dtype=torch.bfloat16) for _ in range(4))
+    k, v, dk, dv = (torch.empty(2, 2, 517, d, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.empty(2, 4, 333, dtype=torch.float32)
+    with codegen.interpreter_off():
+        new = codegen.load(variant)
+    if variant.op == "bwd":
+        before = captured(old_module, lambda: old_module.launch(q, k, v, o, lse, do, dq, dk, dv, 0.1, True, 184,
+                                                                compile_only=True))
+        after = captured(new.module, lambda: new.host.launch(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv,
+                                                             sm_scale=0.1, causal=True, causal_offset=184,
+                                                             compile_only=True))
+    else:
+        before = captured(old_module, lambda: old_module.launch(q, k, v, o, lse, 0.1, True, 184, compile_only=True))
+        after = captured(new.module, lambda: new.host.launch(q=q, k=k, v=v, o=o, lse=lse, sm_scale=0.1, causal=True,
+                                                             causal_offset=184, compile_only=True))
+    if [j.fn.__name__ for j, _, _ in before] != [j.fn.__name__ for j, _, _ in after]:
+        return "differ: other kernels launched"
+    same = all(ttir(*b) == ttir(*a) for b, a in zip(before, after))
+    return "identical" if same else "differ"
+
+
 def _plain_forward_knobs() -> dict:
     from autoflash.space import load_space
 
@@ -258,25 +348,38 @@ def main(argv=None) -> int:
         row = {"family": variant.family, "where": where, "problem": problem.key, "variant": variant.as_dict()}
         old_source = render_baseline(variant)
         row["device_code"] = "identical" if device_code(old_source) == device_code(codegen.render(variant)) else "differ"
-        gluon = variant.family.startswith("gluon") or (variant.op == "bwd" and variant.as_dict().get("DKDV_KERNEL")
-                                                      == "gluon_sm90")
-        if args.no_run or (gluon and not args.gpu):
+        gluon = variant.family.startswith("gluon") or variant.as_dict().get("DKDV_KERNEL") == "gluon_sm90"
+        if args.no_run:
             row["outputs"] = "not run"
         else:
             try:
-                with (codegen.interpreter_off() if gluon else _nothing()):
+                # (the Gluon forward only compiles for the GPU: imported with the interpreter off)
+                with codegen.interpreter_off() if variant.family.startswith("gluon") else _nothing():
                     old = import_source(old_source, f"identity_old_{i}", folder)
-                row.update(check_outputs(where, variant, problem, old, args.gpu, seed=i))
+                if gluon:
+                    row["gluon_launch_args"] = gluon_args_same(variant, old)
+                if variant.family.startswith("gluon") and not args.gpu:
+                    row["outputs"] = "not run"  # (Gluon kernels do not run in the interpreter)
+                else:
+                    row.update(check_outputs(where, variant, problem, old, args.gpu, seed=i))
             except Exception as e:  # a failure to run is a finding, not a crash of the whole check
                 limit = not args.gpu and "InterpreterBuilder" in str(e)  # (e.g. TMA reductions: GPU only)
                 row.update(outputs="not run" if limit else "error", error=f"{type(e).__name__}: {e}"[:500])
+                if limit and row["device_code"] != "identical":
+                    with codegen.interpreter_off():
+                        old = import_source(old_source, f"identity_old_{i}_compiled", folder)
+                    row["ttir_sm90"] = ttir_same(variant, old)
         results.append(row)
         print(f"[{i + 1}/{len(variants)}] {variant.family} {problem.key} {variant.short()}: device code "
-              f"{row['device_code']}, outputs {row['outputs']}", flush=True)
-    count = lambda key, value: sum(r[key] == value for r in results)  # noqa: E731
+              f"{row['device_code']}, outputs {row['outputs']}"
+              + (f", Gluon launch {row['gluon_launch_args']}" if "gluon_launch_args" in row else "")
+              + (f", sm90 TTIR {row['ttir_sm90']}" if "ttir_sm90" in row else ""), flush=True)
+    count = lambda key, value: sum(r.get(key) == value for r in results)  # noqa: E731
     summary = {"variants": len(results), "device_code_identical": count("device_code", "identical"),
                "outputs_identical": count("outputs", "identical"), "outputs_differ": count("outputs", "differ"),
-               "errors": count("outputs", "error"), "not_run": count("outputs", "not run") + count("outputs", "skipped"),
+               "errors": count("outputs", "error"),
+               "gluon_launch_args_identical": count("gluon_launch_args", "identical"),
+               "ttir_sm90_identical": count("ttir_sm90", "identical"), "not_run": count("outputs", "not run") + count("outputs", "skipped"),
                "mode": "gpu" if args.gpu else "cpu-interpreter", "seconds": round(time.time() - start, 1),
                "torch": torch.__version__, "baseline_commit": BASELINE_COMMIT,
                "device": torch.cuda.get_device_name() if args.gpu else "cpu"}
@@ -284,15 +387,18 @@ def main(argv=None) -> int:
         pathlib.Path(args.out).write_text(json.dumps({"summary": summary, "variants": results}, indent=1))
     print("identity: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     # A variant not run (Gluon on the CPU) counts as identical only by its device code.
-    unproven = [r for r in results if r["outputs"] in ("not run", "skipped") and r["device_code"] != "identical"]
+    unproven = [r for r in results if not _same(r)]
     if args.write_replaces:
         write_replaces(results, summary)
     return 1 if summary["outputs_differ"] or summary["errors"] or unproven else 0
 
 
 def _same(row) -> bool:
-    return row["outputs"] == "identical" or (row["outputs"] in ("not run", "skipped")
-                                             and row["device_code"] == "identical")
+    """Shown identical: outputs bit for bit, else (not run here) the device code or its Triton IR."""
+    not_run = row["outputs"] in ("not run", "skipped")
+    return row.get("gluon_launch_args", "identical") == "identical" and (
+        row["outputs"] == "identical"
+        or (not_run and (row["device_code"] == "identical" or row.get("ttir_sm90") == "identical")))
 
 
 def write_replaces(results: list[dict], summary: dict) -> None:
@@ -303,7 +409,7 @@ def write_replaces(results: list[dict], summary: dict) -> None:
     old = baseline_hashes()
     for family in sorted({r["family"] for r in results}):
         rows = [r for r in results if r["family"] == family]
-        if not families.has_folder(family) or not all(_same(r) for r in rows):
+        if family not in families.HOSTS or not all(_same(r) for r in rows):
             continue
         ran = sum(r["outputs"] == "identical" for r in rows)
         evidence = (f"benchmarks/family_identity.py ({summary['mode']}, {summary['device']}, torch {summary['torch']}, "

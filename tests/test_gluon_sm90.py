@@ -28,7 +28,7 @@ if triton_release(triton.__version__) != (3, 6):
                 allow_module_level=True)
 
 
-from autoflash.families.gluon_sm90_fwd.host import head_tile  # noqa: E402
+from autoflash.families._shared.gluon_tma import head_tile  # noqa: E402
 
 # The variant the GPU numerics run on, and every knob named once: one consumer partition of two
 # warpgroups (128 query rows), intra-warpgroup overlap, a 2-deep K/V ring.

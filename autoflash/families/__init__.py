@@ -14,7 +14,7 @@ import pathlib
 import tomllib
 
 FOLDER = pathlib.Path(__file__).resolve().parent
-SHARED = "_shared"  # the includes every family's template may use
+SHARED = "_shared"  # the includes and host helpers every family may use
 TEMPLATE = "kernel.py.jinja"
 HOST = "host.py"
 
@@ -22,13 +22,10 @@ HOST = "host.py"
 # line here and one in `autoflash.space.FAMILIES`.
 HOSTS = {
     "triton_fwd": "autoflash.families.triton_fwd.host:TritonForward",
+    "triton_bwd": "autoflash.families.triton_bwd.host:TritonBackward",
     "gluon_sm90_fwd": "autoflash.families.gluon_sm90_fwd.host:GluonSm90Forward",
     "triton_decode": "autoflash.families.triton_decode.host:TritonDecode",
 }
-
-
-def has_folder(family: str) -> bool:
-    return family in HOSTS
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,11 +41,12 @@ def host_class(family: str):
 
 
 def hashed_source(family: str) -> str:
-    """What a family's template hash covers: its kernel template, every shared include and its host
-    module (the host decides the launch arguments, so it is part of what a stored winner ran)."""
-    shared = "".join(p.read_text(encoding="utf-8") for p in sorted((FOLDER / SHARED).glob("*.jinja")))
-    folder = FOLDER / family
-    return (folder / TEMPLATE).read_text(encoding="utf-8") + shared + (folder / HOST).read_text(encoding="utf-8")
+    """What a family's template hash covers: every template and Python file of its folder (kernel
+    templates, host module) and of `_shared/` (includes, host helpers). The host decides the launch
+    arguments, so it is part of what a stored winner ran; `space.toml` and `replaces.toml` are not."""
+    files = [p for folder in (FOLDER / family, FOLDER / SHARED) for p in sorted(folder.iterdir())
+             if p.suffix in (".jinja", ".py") and p.is_file()]
+    return "".join(f"# {p.parent.name}/{p.name}\n" + p.read_text(encoding="utf-8") for p in files)
 
 
 @functools.lru_cache(maxsize=None)

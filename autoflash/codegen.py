@@ -108,7 +108,8 @@ def render(variant: Variant, template_file: str | os.PathLike | None = None) -> 
         template = _environment().get_template(_template_name(variant.family))
     else:
         template = _environment().from_string(pathlib.Path(template_file).read_text(encoding="utf-8"))
-    return template.render(**checked.as_dict())
+    # (FAMILY and KNOBS_JSON: the header of the rendered module says which variant it is)
+    return template.render(**checked.as_dict(), FAMILY=checked.family, KNOBS_JSON=checked.json())
 
 
 def variant_hash(variant: Variant, template_file: str | os.PathLike | None = None) -> str:

@@ -37,14 +37,14 @@ def test_space_list_is_json_lines():
 def test_render_prints_source():
     r = invoke("render", "--op", "fwd", "--variant", '{"BLOCK_M": 64, "num_warps": 4, "LOADS": "pointer"}')
     assert r.exit_code == 0
-    assert "@triton.jit" in r.output and "BLOCK_M = 64" in r.output and 'LOADS = "pointer"' in r.output
+    assert "@triton.jit" in r.output and '"BLOCK_M":64' in r.output and '"LOADS":"pointer"' in r.output
     compile(r.output, "<rendered>", "exec")
 
 
 def test_render_takes_the_gqa_group_a_split_needs():
     """GQA_SPLIT is valid for a GQA group of at least its size: --gqa-group sets the problem's."""
     r = invoke("render", "--op", "bwd", "--gqa-group", "4", "--variant", '{"GQA_SPLIT": 4}')
-    assert "GQA_SPLIT = 4" in r.output and "def _bwd_gqa_reduce" in r.output
+    assert '"GQA_SPLIT":4' in r.output and "def _bwd_gqa_reduce" in r.output
     compile(r.output, "<rendered>", "exec")
     r = CliRunner().invoke(cli, ["render", "--op", "bwd", "--variant", '{"GQA_SPLIT": 4}'])
     assert r.exit_code != 0 and "gqa_split_within_group" in r.output

@@ -7,8 +7,10 @@ import logging
 import sqlite3
 
 import pytest
+import triton
 
 from autoflash import codegen, families, resources
+from autoflash.device import triton_release
 from autoflash.families.base import Family
 from autoflash.space import FAMILIES, Variant, load_space
 
@@ -21,6 +23,8 @@ def test_every_own_family_is_a_folder_registered_with_a_typed_host():
         folder = families.FOLDER / family
         assert {"kernel.py.jinja", "host.py", "space.toml"} <= {p.name for p in folder.iterdir()}
         assert FAMILIES[family] == ("families", f"{family}/space.toml")
+        if family.startswith("gluon") and triton_release(triton.__version__) != (3, 6):
+            continue  # (written in Triton 3.6's Gluon API: its space offers it there only)
         host = families.host_class(family)
         assert issubclass(host, Family) and host.name == family and host.op == load_space(family).op
         assert not getattr(host, "__abstractmethods__", None), f"{family}'s host leaves {host.__abstractmethods__}"

@@ -1,7 +1,7 @@
 """The kernel families, one folder each: `kernel.py.jinja` (device code only), `host.py` (the launch,
 a subclass of `base.Family`), `space.toml` (knobs, constraints, defaults) and `replaces.toml` (earlier
-template hashes whose stored winners are this family's kernels unchanged). Shared device parts are
-Jinja includes in `_shared/`, part of every family's template hash.
+template hashes whose stored winners are this family's kernels unchanged). Shared parts (Jinja macros
+and includes of device code, host helpers) are in `_shared/`, part of every family's template hash.
 
 Importing this package imports no torch and no triton: the space layer reads the folders' data.
 """
@@ -15,8 +15,6 @@ import tomllib
 
 FOLDER = pathlib.Path(__file__).resolve().parent
 SHARED = "_shared"  # the includes and host helpers every family may use
-TEMPLATE = "kernel.py.jinja"
-HOST = "host.py"
 
 # family name -> "module:class" of its host (a `base.Family` subclass). A new family: its folder, one
 # line here and one in `autoflash.space.FAMILIES`.

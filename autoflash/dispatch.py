@@ -103,7 +103,7 @@ class WinnerTable:
                     continue
                 space, knobs = load_space(family), json.loads(row["variant"])
                 if row["template_hash"] != codegen.template_hash(family) and isinstance(knobs, dict):
-                    knobs = {**space.legacy, **knobs}  # a vendor row of an earlier space file
+                    knobs = {**space.legacy, **knobs}  # a row of an earlier space or template (`replaces`)
                 variant = space.validate(knobs, problem, self.device)
             except (InvalidVariant, ValueError, KeyError, TypeError) as e:
                 warnings.warn(f"autoflash: rejected winner for {row.get('problem')!r} in {path}: {e}",
@@ -121,7 +121,7 @@ class WinnerTable:
                     continue  # two families' winners in one DB: the faster one serves
                 winners[problem.key], origins[problem.key], medians[problem.key] = variant, str(path), rank
         if stale:  # once per DB opened: a template edit never demotes winners silently
-            logging.getLogger("autoflash").warning(
+            log.warning(
                 "autoflash: %d winner(s) in %s were tuned for earlier templates that no `replaces` record "
                 "carries over; their problems get the defaults until retuned", stale, path)
 

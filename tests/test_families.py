@@ -121,3 +121,22 @@ def test_winners_no_record_carries_are_logged_once_per_db(tmp_path, caplog):
     assert table.rows == {}
     logged = [r for r in caplog.records if "earlier templates" in r.getMessage()]
     assert len(logged) == 1 and "2 winner(s)" in logged[0].getMessage()
+
+
+def test_db_export_current_keeps_the_carried_over_winners(tmp_path):
+    """`db export --current` (how cache/ DBs are made) keeps what today's families serve, the winners
+    a `replaces` record carries over included."""
+    import json
+
+    from click.testing import CliRunner
+
+    from autoflash.cli import cli
+
+    shipped = next(p for p in resources.shipped_databases() if "forward" in p.name)
+    with sqlite3.connect(f"file:{shipped}?mode=ro", uri=True) as db:
+        rows = db.execute("select count(*) from winners").fetchone()[0]
+    out = tmp_path / "w.json"
+    r = CliRunner().invoke(cli, ["db", "export", "--db", str(shipped), "--current", "-o", str(out)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(out.read_text())["winners"]) == rows

@@ -10,6 +10,7 @@ import contextlib
 import torch
 import triton
 
+from autoflash.families._shared.triton_launch import dot_precision, head_block
 from autoflash.families.base import MAX_GRID_AXIS, BackwardFamily
 
 PREPROCESS_BLOCK = 64  # query rows per delta program
@@ -83,8 +84,8 @@ class TritonBackward(BackwardFamily):
         kn, kernels = self.knobs, self.kernels
         heads, rows, head_dim = q.shape[1], q.shape[2], q.shape[3]
         heads_kv = k.shape[1]
-        block_d = triton.next_power_of_2(max(head_dim, 16))
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        block_d = head_block(head_dim)
+        precision = dot_precision(q.dtype)
         varlen = cu_q is not None
         split = kn["GQA_SPLIT"]
 

@@ -9,6 +9,7 @@ import math
 import torch
 import triton
 
+from autoflash.families._shared.triton_launch import dot_precision, head_block
 from autoflash.families.base import DecodeFamily
 
 MAX_SPLITS = 128  # flash-attn's cap; also bounds the combine tile
@@ -78,7 +79,7 @@ class TritonDecode(DecodeFamily):
         row_tiles = triton.cdiv(rows, block_m)
         max_seqlen = k_cache.shape[1] * block_table.shape[1] if paged else k_cache.shape[1]
         splits = self.num_splits_for(batch, kv_heads, row_tiles, max_seqlen, sm_count, num_splits, paged)
-        block_d = triton.next_power_of_2(max(head_dim, 16))
+        block_d = head_block(head_dim)
         if splits > 1:
             o_part = torch.empty((batch, heads, q_len, splits, head_dim), device=q.device, dtype=torch.float32)
             lse_part = torch.empty((batch, heads, q_len, splits), device=q.device, dtype=torch.float32)
@@ -102,7 +103,7 @@ class TritonDecode(DecodeFamily):
             PAGE_SIZE=k_cache.shape[1] if paged else 1,
             IS_CAUSAL=bool(causal),
             SINGLE_SPLIT=splits == 1,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION=dot_precision(q.dtype),
             USE_TMA=self.knobs["LOADS"] == "tma" and not paged and tma_ok,
             num_warps=self.knobs["num_warps"],
             num_stages=self.knobs["num_stages"],

@@ -4,9 +4,9 @@ tile sizes, launch options and the grid order."""
 
 from __future__ import annotations
 
-import torch
 import triton
 
+from autoflash.families._shared.triton_launch import dot_precision, head_block
 from autoflash.families.base import MAX_GRID_AXIS, ForwardFamily
 
 
@@ -55,9 +55,9 @@ class TritonForward(ForwardFamily):
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), stride_lz, stride_lh,
             heads, n_q, n_k, heads // k.shape[1], sm_scale, causal_offset,
             HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(max(head_dim, 16)),
+            BLOCK_D=head_block(head_dim),
             IS_CAUSAL=causal,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION=dot_precision(q.dtype),
             BLOCK_M=self.knobs["BLOCK_M"],
             BLOCK_N=self.knobs["BLOCK_N"],
             VARLEN=cu_q is not None,

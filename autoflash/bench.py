@@ -197,9 +197,10 @@ def dispatch_overhead(calls: int = 2000, repeats: int = 7) -> dict:
     q, k, v = make_inputs(shape, "cuda", seed=1)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    module = get_dispatcher().kernel_for(q, k, v, out, causal=True, own_only=True).module
+    host = get_dispatcher().kernel_for(q, k, v, out, causal=True, own_only=True).host
     scale = 1.0 / math.sqrt(shape.head_dim)
-    fns = {"bare_launch_us": lambda: module.launch(q, k, v, out, lse, scale, True, 0),
+    fns = {"bare_launch_us": lambda: host.launch(q=q, k=k, v=v, o=out, lse=lse, sm_scale=scale, causal=True,
+                                                 causal_offset=0),
            "autoflash_attention_us": lambda: autoflash.attention(q, k, v, is_causal=True),
            "torch_sdpa_us": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)}
     times = {name: [] for name in fns}

@@ -1,24 +1,20 @@
-"""Kernel families: Variant -> source (Jinja) -> a .py file in the kernel cache -> module -> `Kernel`.
+"""Kernel families: Variant -> device source (Jinja) -> a .py file in the kernel cache -> module ->
+`Kernel` (the family's host object around it).
 
 `@triton.jit` reads its function's source with `inspect`, so kernels must come from real files:
-each variant is rendered once to `<kernel cache>/<family>_<hash>.py` (hash of the template source,
-its includes, and the variant) and imported from there, in this process and the next.
+each variant is rendered once to `<kernel cache>/<family>-<op>-<knobs>-<hash>.py` (hash of the
+template source, its includes, its host module and the variant; the readable part shows in
+tracebacks and profiles) and imported from there, in this process and the next.
 
-The family contract. A rendered module defines `OP` ("fwd" | "bwd"), `LOADS` and
-  launch(q, k, v, o, lse, sm_scale, is_causal, causal_offset, compile_only=False)               (fwd)
-  launch(q, k, v, o, lse, do, dq, dk, dv, sm_scale, is_causal, causal_offset, compile_only=False) (bwd)
-and may define `supports(q, k, v, o) -> str | None` (why it cannot take these tensors) and
-`launch_varlen(...)` (packed variable-length sequences: see `Kernel.forward_varlen`/`backward_varlen`). A launch
-works on the caller's current stream; it may put kernels on a stream of its own if each run of them
-first waits for the caller's stream, the caller's stream waits for them only when `launch` returns
-(also when it raises), and nothing on the caller's stream reads what they write before that: the
-order `replay` reproduces for a bound launch. Everything
-else (the dispatcher, the correctness gate, timing, bench) goes through `Kernel`, which owns the
-launch preparation (the TMA descriptor allocator, the TMA alignment check).
+The family contract is `autoflash.families.base`: a family's `host.py` launches the rendered
+kernels with keyword arguments, says which tensors it cannot take (`supports`) and whether it takes
+packed sequences. Everything else (the dispatcher, the correctness gate, timing, bench) goes through
+`Kernel`, which owns the launch preparation (the TMA descriptor allocator, the TMA alignment check,
+batch chunks that fit a grid axis).
 
 A variant can also be rendered from another template file (`template_file=`), e.g. the previous
 version of a template, to time both with the same knobs before retuning (`autoflash bench
---baseline-template`).
+--baseline-template`); the family's host launches it.
 """
 
 from __future__ import annotations
@@ -37,11 +33,9 @@ import jinja2
 import torch
 import triton
 
-from autoflash import replay, resources
+from autoflash import families, replay, resources
 from autoflash.kernel_cache import _cached_source_file, kernel_cache_dir
 from autoflash.space import Variant, load_space
-
-INCLUDE_PREFIX = "_"  # templates/_*.jinja are includes: part of every family's template hash
 
 _lock = threading.Lock()
 _modules: dict[tuple[str, str, str], ModuleType] = {}
@@ -50,7 +44,8 @@ _modules: dict[tuple[str, str, str], ModuleType] = {}
 @functools.lru_cache(maxsize=None)
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(resources.data_dir("templates"))),
+        # "<family>/kernel.py.jinja", a family's other parts and the shared includes "_shared/<part>.jinja"
+        loader=jinja2.FileSystemLoader(str(resources.data_dir("families"))),
         undefined=jinja2.StrictUndefined,  # a knob the template reads but the variant lacks: error
         keep_trailing_newline=True,
         autoescape=False,
@@ -59,15 +54,18 @@ def _environment() -> jinja2.Environment:
 
 @functools.lru_cache(maxsize=None)
 def template_source(family: str) -> str:
-    """A family's template followed by every shared include (what its hash covers)."""
+    """What a family's hash covers: its template, the shared includes and its host module."""
     from autoflash.space import FAMILIES, family_name
 
+    family = family_name(family)
     space = load_space(family)
     if space.vendor:  # nothing rendered: the space file is what a stored result depends on
-        return resources.read_text("search_spaces", FAMILIES[family_name(family)])
-    folder = resources.data_dir("templates")
-    includes = "".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob(f"{INCLUDE_PREFIX}*.jinja")))
-    return resources.read_text("templates", space.template) + includes
+        return resources.read_text(*FAMILIES[family])
+    return families.hashed_source(family)
+
+
+def _template_name(family: str) -> str:
+    return f"{family}/{load_space(family).template}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +82,17 @@ def family_for_hash(op: str, thash: str, earlier: bool = False) -> str | None:
     from autoflash.space import families_for
 
     return next((f for f in families_for(op) if template_hash(f) == thash
-                 or (earlier and thash in load_space(f).replaces)), None)
+                 or (earlier and thash in replaced_hashes(f))), None)
+
+
+def replaced_hashes(family: str) -> tuple[str, ...]:
+    """Earlier hashes whose stored winners `family` serves today: a vendor family's earlier space
+    files (`replaces` in its space), an own family's templates its `replaces.toml` records show to
+    render the same kernels."""
+    space = load_space(family)
+    if space.vendor:
+        return space.replaces
+    return families.replaced_hashes(space.family, template_hash(family))
 
 
 def _source_hash(source: str) -> str:
@@ -112,9 +120,12 @@ def render(variant: Variant, template_file: str | os.PathLike | None = None) -> 
     ignored; a knob it reads that the variant lacks is an error)."""
     checked = load_space(variant.family).check_declared(variant.as_dict())
     if template_file is None:
-        return _environment().get_template(load_space(variant.family).template).render(**checked.as_dict())
+        template = _environment().get_template(_template_name(variant.family))
+        # (FAMILY and KNOBS_JSON: the header of the rendered module says which variant it is)
+        return template.render(**checked.as_dict(), FAMILY=checked.family, KNOBS_JSON=checked.json())
     try:
-        return check_template(template_file).render(**checked.as_dict())
+        return check_template(template_file).render(**checked.as_dict(), FAMILY=checked.family,
+                                                    KNOBS_JSON=checked.json())
     except jinja2.TemplateError as e:  # (StrictUndefined: a knob the variant lacks, a bad filter, ...)
         line = next((f", line {tb.tb_lineno}" for tb in _frames(e.__traceback__)
                      if tb.tb_frame.f_code.co_filename == "<template>"), "")
@@ -134,7 +145,27 @@ def variant_hash(variant: Variant, template_file: str | os.PathLike | None = Non
 
 
 def source_path(variant: Variant, template_file: str | os.PathLike | None = None) -> pathlib.Path:
-    return kernel_cache_dir() / f"{variant.family}_{variant_hash(variant, template_file)}.py"
+    """<family>-<op>-<knob values>-<hash>.py: what a traceback or a profile shows says which kernel."""
+    return kernel_cache_dir() / f"{variant.family}-{variant.op}-{readable_knobs(variant)}-" \
+                                f"{variant_hash(variant, template_file)[:12]}.py"
+
+
+# Short names of the common knobs in kernel file names (the others: their value, a true flag its name).
+_KNOB_TAGS = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_M1": "bm1", "BLOCK_N1": "bn1", "BLOCK_M2": "bm2",
+              "BLOCK_N2": "bn2", "num_warps": "w", "num_stages": "s", "NUM_STAGES": "s"}
+
+
+def readable_knobs(variant: Variant) -> str:
+    """e.g. 'bm128-bn64-w8-s3-m_major-ascending-tma-split' (declared values only: safe in a file name)."""
+    parts = []
+    for knob, value in variant.items:
+        if knob in _KNOB_TAGS:
+            parts.append(f"{_KNOB_TAGS[knob]}{value}")
+        elif value is True:
+            parts.append(knob.lower())
+        elif value is not False:
+            parts.append(str(value).lower())
+    return "-".join(p.replace("/", "_").replace(" ", "_") for p in parts)[:150]
 
 
 def _exec_source(name: str, path: pathlib.Path, source: str) -> ModuleType:
@@ -245,11 +276,17 @@ def batch_chunks(batch: int, heads: int, *tensors):
     return [tuple(None if t is None else t[first:first + per] for t in tensors) for first in range(0, batch, per)]
 
 
+def make_host(variant: Variant, module: ModuleType):
+    """The family's host object (`families.base.Family`) for this variant's rendered module."""
+    return families.host_class(variant.family)(variant.as_dict(), module)
+
+
 class Kernel:
     """One compiled variant behind the family contract: typed forward/backward launches that
-    prepare what the module needs (TMA scratch allocator) and say which tensors it cannot take."""
+    prepare what the kernels need (TMA scratch allocator, batch chunks) and say which tensors the
+    family cannot take. `module`: the rendered device code; `host`: the family's launcher."""
 
-    __slots__ = ("variant", "module", "op", "family", "uses_tma", "_supports")
+    __slots__ = ("variant", "module", "host", "op", "family", "uses_tma")
     vendor = False  # generated by autoflash (see autoflash/vendor.py for the others)
     has_lse = True  # forward writes the log-sum-exp a backward needs
 
@@ -258,36 +295,39 @@ class Kernel:
         return True  # any alignment of the causal mask
 
     def __init__(self, variant: Variant, module: ModuleType):
-        if module.OP != variant.op:
-            raise ValueError(f"{variant.family}: the template renders an {module.OP!r} module, the space says {variant.op!r}")
-        self.variant, self.module, self.op, self.family = variant, module, module.OP, variant.family
-        self.uses_tma = module.LOADS == "tma"
-        self._supports = getattr(module, "supports", None)
+        self.host = make_host(variant, module)
+        if self.host.op != variant.op:
+            raise ValueError(f"{variant.family}: the host launches {self.host.op!r}, the space says {variant.op!r}")
+        self.variant, self.module, self.op, self.family = variant, module, variant.op, variant.family
+        self.uses_tma = self.host.uses_tma
 
     def unsupported(self, q, k, v, o) -> str | None:
         """Why this kernel cannot take these (B, H, N, D) tensors, or None. o: the output (fwd) or dO (bwd)."""
         if self.uses_tma and not tma_compatible(q, k, v, o):
             return "TMA needs a unit last stride and 16-byte aligned base and strides"
-        return self._supports(q, k, v, o) if self._supports is not None else None
+        return self.host.supports(q, k, v, o)
 
     def forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int) -> None:
         """o (B, H, Nq, D) and lse (B, H, Nq) float32 written in place."""
         if self.uses_tma:
             ensure_allocator()
-        for chunk in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse):
-            self.module.launch(*chunk, sm_scale, causal, causal_offset)
+        for q_, k_, v_, o_, lse_ in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse):
+            self.host.launch(q=q_, k=k_, v=v_, o=o_, lse=lse_, sm_scale=sm_scale, causal=causal,
+                             causal_offset=causal_offset)
 
     def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
         """dq, dk, dv written in place from the forward's o and lse."""
         if self.uses_tma:
             ensure_allocator()
-        for chunk in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse, do, dq, dk, dv):
-            self.module.launch(*chunk, sm_scale, causal, causal_offset)
+        for q_, k_, v_, o_, lse_, do_, dq_, dk_, dv_ in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse, do,
+                                                                     dq, dk, dv):
+            self.host.launch(q=q_, k=k_, v=v_, o=o_, lse=lse_, do=do_, dq=dq_, dk=dk_, dv=dv_, sm_scale=sm_scale,
+                             causal=causal, causal_offset=causal_offset)
 
     @property
     def supports_varlen(self) -> bool:
-        """The module also takes packed variable-length sequences (`launch_varlen`)."""
-        return hasattr(self.module, "launch_varlen")
+        """The family also takes packed variable-length sequences (`launch_varlen`)."""
+        return self.host.supports_varlen
 
     def forward_varlen(self, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
                        causal: bool) -> None:
@@ -295,15 +335,17 @@ class Kernel:
         cu_seqlens int32 (B + 1,). Causal is bottom-right per sequence."""
         if self.uses_tma:
             ensure_allocator()
-        self.module.launch_varlen(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, causal)
+        self.host.launch_varlen(q=q, k=k, v=v, o=o, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal)
 
     def backward_varlen(self, q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                         max_seqlen_k: int, sm_scale: float, causal: bool) -> None:
         """Gradients of `forward_varlen` (same layouts), written into dq, dk, dv."""
         if self.uses_tma:
             ensure_allocator()
-        self.module.launch_varlen(q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, sm_scale, causal)
+        self.host.launch_varlen(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                sm_scale=sm_scale, causal=causal)
 
     def attention(self, q, k, v, sm_scale: float, causal: bool, causal_offset: int = 0) -> torch.Tensor:
         """The output in q's memory layout (the log-sum-exp is discarded)."""
@@ -338,9 +380,9 @@ class Kernel:
                                                        q, o, lse, seqlens, block_table,
                                                        *((None, None) if paged else (k_cache, v_cache))):
             kc, vc = (k_cache, v_cache) if paged else (kc, vc)
-            splits = self.module.launch(qc, kc, vc, oc, lc, sm_scale, causal, sc, tc, sm_count=sm_count,
-                                        num_splits=num_splits, compile_only=compile_only,
-                                        tma_ok=self.uses_tma and tma_compatible(kc, vc))
+            splits = self.host.launch(q=qc, k_cache=kc, v_cache=vc, o=oc, lse=lc, sm_scale=sm_scale, causal=causal,
+                                      seqlens=sc, block_table=tc, sm_count=sm_count, num_splits=num_splits,
+                                      compile_only=compile_only, tma_ok=self.uses_tma and tma_compatible(kc, vc))
         return splits
 
     def bind_decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
@@ -374,11 +416,12 @@ class Kernel:
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if self.op == "bwd":
-            grads = [torch.empty_like(t) for t in (q, k, v)]
-            self.module.launch(q, k, v, torch.empty_like(q), lse, out, *grads, 1.0, causal, causal_offset,
-                               compile_only=True)
+            dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+            self.host.launch(q=q, k=k, v=v, o=torch.empty_like(q), lse=lse, do=out, dq=dq, dk=dk, dv=dv, sm_scale=1.0,
+                             causal=causal, causal_offset=causal_offset, compile_only=True)
         else:
-            self.module.launch(q, k, v, out, lse, 1.0, causal, causal_offset, compile_only=True)
+            self.host.launch(q=q, k=k, v=v, o=out, lse=lse, sm_scale=1.0, causal=causal, causal_offset=causal_offset,
+                             compile_only=True)
 
     def __repr__(self) -> str:
         return f"Kernel({self.family}: {self.variant.short()})"

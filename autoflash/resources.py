@@ -1,8 +1,10 @@
-"""Package data: templates, search spaces and the shipped databases.
+"""Package data: the kernel families' templates and spaces, shape sets and the shipped databases.
 
-In a wheel they live in `autoflash/_data/<folder>/` (hatchling force-include); in a source
-checkout or an editable install they are the top-level `templates/`, `search_spaces/` and
-`cache/` folders. Both are read through `importlib.resources`-style paths.
+The kernel families (`autoflash/families/<name>/`: kernel.py.jinja, space.toml) are package data
+inside the package itself, in a checkout and in a wheel alike. The other folders live in a wheel in
+`autoflash/_data/<folder>/` (hatchling force-include); in a source checkout or an editable install
+they are the top-level `search_spaces/` (shape sets, vendor spaces) and `cache/` folders. Both are
+read through `importlib.resources`-style paths.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import importlib.resources
 import pathlib
 
-FOLDERS = ("templates", "search_spaces", "cache")
+FOLDERS = ("families", "search_spaces", "cache")
 
 
 def data_dir(folder: str) -> pathlib.Path:
     if folder not in FOLDERS:
         raise ValueError(f"unknown data folder {folder!r}")
+    if folder == "families":
+        return pathlib.Path(__file__).resolve().parent / "families"
     packaged = importlib.resources.files("autoflash") / "_data" / folder
     if packaged.is_dir():
         return pathlib.Path(str(packaged))

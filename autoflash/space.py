@@ -1,4 +1,4 @@
-"""Declarative search spaces: `search_spaces/<op>.toml` -> knobs, constraints, `Variant`s.
+"""Declarative search spaces: each family's `space.toml` -> knobs, constraints, `Variant`s.
 
 Nothing here compiles or imports Triton. A space answers three questions before anything is
 built: which variants exist, which of them are valid for a problem on a device (and if not,
@@ -22,15 +22,17 @@ from autoflash.problem import WORK_MAX, Problem
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
-# The kernel families: a family is a template, a search space that names it, and one line here
-# (family name -> its search-space file). See README "Adding a kernel family".
+# The kernel families: family name -> its search-space file (data folder, file). An own family is a
+# folder of autoflash/families/ (kernel.py.jinja, host.py, space.toml) and one line here and in
+# `autoflash.families.HOSTS`. See README "Adding a kernel family".
 FAMILIES = {
-    "triton_fwd": "attn_fwd.toml",
-    "triton_bwd": "attn_bwd.toml",
-    "gluon_sm90_fwd": "attn_fwd_sm90.toml",  # Hopper only (its constraints say cc 9.0)
-    "triton_decode": "attn_decode.toml",
-    "sdpa_fwd": "sdpa_fwd.toml",  # vendor kernels (torch SDPA backends) as candidates: autoflash/vendor.py
-    "sdpa_bwd": "sdpa_bwd.toml",
+    "triton_fwd": ("families", "triton_fwd/space.toml"),
+    "triton_bwd": ("families", "triton_bwd/space.toml"),
+    "gluon_sm90_fwd": ("families", "gluon_sm90_fwd/space.toml"),  # Hopper only (its constraints say cc 9.0)
+    "triton_decode": ("families", "triton_decode/space.toml"),
+    # vendor kernels (torch SDPA backends) as candidates: autoflash/vendor.py
+    "sdpa_fwd": ("search_spaces", "sdpa_fwd.toml"),
+    "sdpa_bwd": ("search_spaces", "sdpa_bwd.toml"),
 }
 # Each op's first family: where its built-in defaults come from, and what a bare op name means
 # (`load_space("fwd")`, stored variants written before families existed).
@@ -263,10 +265,11 @@ def device_names(problem: Problem, device: GPUFingerprint) -> dict:
 def load_space(name: str) -> Space:
     """The search space of a family (or of an op's default family)."""
     family = family_name(name)
-    space = parse_space(resources.read_text("search_spaces", FAMILIES[family]), family)
-    declared = tomllib.loads(resources.read_text("search_spaces", FAMILIES[family])).get("family", family)
+    text = resources.read_text(*FAMILIES[family])
+    space = parse_space(text, family)
+    declared = tomllib.loads(text).get("family", family)
     if declared != family:
-        raise ValueError(f"{FAMILIES[family]} declares family {declared!r}, registered as {family!r}")
+        raise ValueError(f"{'/'.join(FAMILIES[family])} declares family {declared!r}, registered as {family!r}")
     return space
 
 

@@ -5,6 +5,7 @@ with the evidence (own vs SDPA-cuDNN times) the serving policy decides by."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 
@@ -14,6 +15,8 @@ from autoflash.problem import Problem
 from autoflash.serving_policy import Evidence
 from autoflash.space import InvalidVariant, Variant, load_space
 from autoflash.vendor import VENDOR_TIE_MARGIN
+
+log = logging.getLogger("autoflash")
 
 
 class WinnerTable:
@@ -68,6 +71,7 @@ class WinnerTable:
             return
         decided = set(self.rows)  # an earlier DB (the user's) already decided these problems
         own_decided = set(self.own_rows)
+        stale = 0
         for row in rows:
             if row["problem"] in decided and row["problem"] in own_decided:
                 continue
@@ -75,10 +79,11 @@ class WinnerTable:
                 problem = Problem.from_key(row["problem"])
                 family = codegen.family_for_hash(problem.op, row["template_hash"], earlier=True)
                 if family is None:
-                    continue  # tuned for another version of the templates
+                    stale += 1  # tuned for another version of the templates, not carried over by `replaces`
+                    continue
                 space, knobs = load_space(family), json.loads(row["variant"])
                 if row["template_hash"] != codegen.template_hash(family) and isinstance(knobs, dict):
-                    knobs = {**space.legacy, **knobs}  # a vendor row of an earlier space file
+                    knobs = {**space.legacy, **knobs}  # a row of an earlier space or template (`replaces`)
                 variant = space.validate(knobs, problem, self.device)
             except (InvalidVariant, ValueError, KeyError, TypeError) as e:
                 warnings.warn(f"autoflash: rejected winner for {row.get('problem')!r} in {path}: {e}",
@@ -96,6 +101,10 @@ class WinnerTable:
                 if problem.key in done or (problem.key in winners and medians[problem.key] <= rank):
                     continue  # two families' winners in one DB: the faster one serves
                 winners[problem.key], origins[problem.key], medians[problem.key] = variant, str(path), rank
+        if stale:  # once per DB opened: a template edit never demotes winners silently
+            log.warning(
+                "autoflash: %d winner(s) in %s were tuned for earlier templates that no `replaces` record "
+                "carries over; their problems get the defaults until retuned", stale, path)
 
     def lookup(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str]:
         """(variant, how) of `explain`: exact bucket, else the nearest of the same kind, else None."""

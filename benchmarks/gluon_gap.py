@@ -294,8 +294,15 @@ def work_dir() -> Path:
 _MODULES: dict = {}
 
 
-def load_source(src: str):
-    """Import a rendered (possibly ablated) source from a real file (@jit reads it with inspect)."""
+def load_source(src: str, knobs_json: str):
+    """The family's host over a rendered (possibly ablated) source, imported from a real file (@jit
+    reads it with inspect); knobs_json: the variant's knobs (the host's launch reads them)."""
+    from autoflash.families.gluon_sm90_fwd.host import GluonSm90Forward
+
+    return GluonSm90Forward(json.loads(knobs_json), _import_source(src))
+
+
+def _import_source(src: str):
     name = "gluon_gap_" + hashlib.sha256(src.encode()).hexdigest()[:16]
     if name in _MODULES:
         return _MODULES[name]
@@ -399,8 +406,8 @@ def compile_sm90(module, D, causal):
     k = torch.empty(2, 4, 333, D, dtype=torch.bfloat16)
     v, o = torch.empty_like(k), torch.empty_like(q)
     lse = torch.empty(2, 4, 333, dtype=torch.float32)
-    args, constexprs, grid, options = module._kernel_args(q, k, v, o, lse, 0.125, causal, 0)
-    fn = module._attn_fwd_sm90
+    args, constexprs, grid, options = module.kernel_args(q, k, v, o, lse, 0.125, causal, 0)
+    fn = module.kernels._attn_fwd_sm90
     values = iter(args)
     signature = {n: "constexpr" if n in constexprs else mangle_type(next(values)) for n in fn.arg_names}
     from autoflash import codegen
@@ -411,10 +418,10 @@ def compile_sm90(module, D, causal):
 
 
 def _compile_job(job):
-    src, D, causal = job
+    src, knobs_json, D, causal = job
     t0 = time.time()
     try:
-        kernel = compile_sm90(load_source(src), D, causal)
+        kernel = compile_sm90(load_source(src, knobs_json), D, causal)
         ptx = kernel.asm["ptx"]
         n_wgmma = ptx.count("wgmma.mma_async")
         return (f"ok {time.time() - t0:.0f}s ptx: wgmma {n_wgmma} ex2 {ptx.count('ex2.approx')} "
@@ -434,7 +441,7 @@ def compile_only(parallel: int) -> int:
         except AblationError as e:
             print(f"{j['label']:<18} {j['name']:<24} ABLATION FAILED: {e}")
             continue
-        key = (src, D, causal)
+        key = (src, j["variant"].json(), D, causal)
         todo.setdefault(key, key)
         names.setdefault(key, []).append(f"{j['label']} / {j['name']}")
     bad = 0
@@ -448,18 +455,18 @@ def compile_only(parallel: int) -> int:
 
 # ------------------------------------------------------------------------------------------ GPU
 def _gpu_compile_job(job):
-    src, D, causal = job
+    src, knobs_json, D, causal = job
     import torch
 
     from autoflash import codegen
     t0 = time.time()
     try:
         codegen.ensure_allocator()
-        m = load_source(src)
+        m = load_source(src, knobs_json)
         q = torch.randn(1, 2, 300, D, device="cuda", dtype=torch.bfloat16)
         k, v, o = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
         lse = torch.empty(1, 2, 300, device="cuda")
-        m.launch(q, k, v, o, lse, 0.1, causal, 0, compile_only=True)
+        m.launch(q=q, k=k, v=v, o=o, lse=lse, sm_scale=0.1, causal=causal, causal_offset=0, compile_only=True)
         return f"ok {time.time() - t0:.0f}s"
     except Exception as e:  # noqa: BLE001
         return "FAIL " + repr(e)[-300:]
@@ -539,7 +546,7 @@ def run_gpu(out_path: str, ablations, rounds: int, parallel: int, alternates: bo
     for j in todo:
         try:
             j["src"] = rendered(j["variant"], j["ablation"])
-            srcs[(j["src"], j["shape"][3], j["shape"][4])] = None
+            srcs[(j["src"], j["variant"].json(), j["shape"][3], j["shape"][4])] = None
         except AblationError as e:
             j["error"] = f"ablation: {e}"
             print("ABLATION FAILED", j["label"], j["name"], e, flush=True)
@@ -604,8 +611,9 @@ def run_gpu(out_path: str, ablations, rounds: int, parallel: int, alternates: bo
             if "error" in j:
                 info[name]["error"] = j["error"]
                 continue
-            m = load_source(j["src"])
-            fns[name] = lambda m=m: m.launch(q, k, v, o, lse, scale, causal, 0)
+            m = load_source(j["src"], j["variant"].json())
+            fns[name] = lambda m=m: m.launch(q=q, k=k, v=v, o=o, lse=lse, sm_scale=scale, causal=causal,
+                                             causal_offset=0)
         for name in [n for n in fns if n == "served" or info.get(n, {}).get("ablation") == "full"]:
             o.fill_(float("nan"))
             try:

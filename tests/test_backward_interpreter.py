@@ -179,14 +179,15 @@ def compile_backward_for_sm90(name: str) -> None:
     problem = Problem("bwd", "bfloat16", head_dim, True, 4, 4096, 4096, work=2)
     space = load_space("bwd")
     variant = space.validate({**space.default_for(problem, device).as_dict(), **knobs}, problem, device)
-    module = codegen.load(variant).module
+    kernel = codegen.load(variant)
+    module = kernel.module
     jits = [getattr(module, n) for n in ("_bwd_preprocess", "_bwd_dkdv", "_bwd_dq", "_bwd_gqa_reduce") if hasattr(module, n)]
     launches = capture_launches(jits)
     q = torch.empty(2, 8, 300, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 300, head_dim, dtype=torch.bfloat16)
     lse = torch.empty(2, 8, 300)
-    module.launch(q, k, k.clone(), q.clone(), lse, q.clone(), q.clone(), k.clone(), k.clone(), 0.1, True, 0,
-                  compile_only=True)
+    kernel.host.launch(q=q, k=k, v=k.clone(), o=q.clone(), lse=lse, do=q.clone(), dq=q.clone(), dk=k.clone(),
+                       dv=k.clone(), sm_scale=0.1, causal=True, causal_offset=0, compile_only=True)
     for jit, args, kwargs in launches:
         ptx = compile_for_sm90(jit, args, kwargs)
         print(jit.fn.__name__, "bulk-reduce" if "cp.reduce.async.bulk.tensor" in ptx else "-")

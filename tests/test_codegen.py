@@ -9,8 +9,9 @@ from helpers import default_for
 
 
 def test_data_files_are_found():
-    assert (resources.data_dir("templates") / "attn_fwd.py.jinja").is_file()
-    assert (resources.data_dir("search_spaces") / "attn_fwd.toml").is_file()
+    assert (resources.data_dir("families") / "triton_fwd" / "kernel.py.jinja").is_file()
+    assert (resources.data_dir("families") / "triton_fwd" / "space.toml").is_file()
+    assert (resources.data_dir("search_spaces") / "shapes_standard.toml").is_file()
 
 
 def test_load_writes_file_and_reuses_module():
@@ -20,7 +21,7 @@ def test_load_writes_file_and_reuses_module():
     assert path.is_file() and path.parent == codegen.kernel_cache_dir()
     assert path.read_text() == codegen.render(v)
     assert codegen.load(v) is m1
-    assert callable(m1.module.launch) and m1.module.BLOCK_M == v["BLOCK_M"]
+    assert callable(m1.module._attn_fwd.run) and m1.host.knobs["BLOCK_M"] == v["BLOCK_M"]
 
 
 def test_next_process_reuses_the_cached_file():

@@ -167,7 +167,7 @@ def test_strided_q_and_scale():
 
 @pytest.mark.interpreter
 def test_split_heuristic():
-    module = decode_kernels.load_kernel(dict(decode_kernels.default_knobs(torch.float16, 128, 4, 1, 4096, False))).module
+    module = decode_kernels.load_kernel(dict(decode_kernels.default_knobs(torch.float16, 128, 4, 1, 4096, False))).host
     assert module.num_splits_for(64, 8, 1, 4096, 132) == 1  # 512 programs fill 132 SMs
     s = module.num_splits_for(1, 8, 1, 4096, 132)
     assert 2 <= s <= 64
@@ -178,7 +178,7 @@ def test_split_heuristic():
     assert module.num_splits_for(16, 8, 1, 32768, 132, paged=True) == 8
     assert module.num_splits_for(64, 8, 1, 32768, 132, paged=True) == 2
     assert module.num_splits_for(16, 8, 1, 32768, 132) == 1
-    assert module.num_splits_for(1, 1, 1, 100, 132, paged=True) == -(-100 // module.BLOCK_N)
+    assert module.num_splits_for(1, 1, 1, 100, 132, paged=True) == -(-100 // module.knobs["BLOCK_N"])
 
 
 # --------------------------------------------------------------------------- appending k/v
@@ -368,8 +368,9 @@ def test_every_knob_value_renders():
     base = dict(space.defaults[0][1])
     for knob, choices in space.knobs.items():
         for choice in choices:
-            module = decode_kernels.load_kernel({**base, knob: choice}).module
-            assert module.OP == "decode" and module.LOADS == {**base, knob: choice}["LOADS"]
+            kernel = decode_kernels.load_kernel({**base, knob: choice})
+            assert kernel.host.op == "decode" and kernel.host.uses_tma == ({**base, knob: choice}["LOADS"] == "tma")
+            assert callable(kernel.module._decode_split.run) and callable(kernel.module._decode_combine.run)
 
 
 # --------------------------------------------------------------------------- GPU (H200)
@@ -481,8 +482,8 @@ def test_a_batch_past_a_grid_axis_decodes_in_chunks(layout, monkeypatch):
 
     whole = run()
     launches = []
-    real = kernel.module.launch
-    monkeypatch.setattr(kernel.module, "launch", lambda *a, **kw: (launches.append(a[0].shape[0]), real(*a, **kw))[1])
+    real = kernel.host.launch
+    monkeypatch.setattr(kernel.host, "launch", lambda **kw: (launches.append(kw["q"].shape[0]), real(**kw))[1])
     monkeypatch.setattr(codegen, "GRID_AXIS_MAX", 5)
     chunked = run()
     assert launches == [2, 2]
@@ -515,13 +516,15 @@ def compile_decode_for_sm90(paged: bool, loads: str) -> None:
 
     variant = Variant.of(decode_kernels.FAMILY, {**dict(decode_kernels.default_knobs(torch.bfloat16, 128, 4, 1, 4096, False)),
                                                  "LOADS": loads})
-    module = codegen.load(variant).module
+    kernel = codegen.load(variant)
+    module = kernel.module
     launches = capture_launches((module._decode_split, module._decode_combine))
     q = torch.empty(3, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16) if paged else torch.empty(3, 640, 8, 128, dtype=torch.bfloat16)
-    module.launch(q, cache, cache.clone(), torch.empty_like(q), torch.empty(3, 32, 1), 0.1, False,
-                  torch.zeros(3, dtype=torch.int32), torch.zeros(3, 40, dtype=torch.int32) if paged else None,
-                  sm_count=132, compile_only=True, tma_ok=True)
+    kernel.host.launch(q=q, k_cache=cache, v_cache=cache.clone(), o=torch.empty_like(q), lse=torch.empty(3, 32, 1),
+                       sm_scale=0.1, causal=False, seqlens=torch.zeros(3, dtype=torch.int32),
+                       block_table=torch.zeros(3, 40, dtype=torch.int32) if paged else None,
+                       sm_count=132, compile_only=True, tma_ok=True)
     assert launches[0][2]["USE_TMA"] == (loads == "tma" and not paged)
     for jit, args, kwargs in launches:
         compile_for_sm90(jit, args, kwargs)

@@ -107,7 +107,7 @@ def test_dispatcher_launches_the_tuned_winner(tmp_path):
     q = torch.randn(1, 2, 61, 64, dtype=torch.float16)
     out = torch.empty_like(q)
     kernel = d.kernel_for(q, q, q, out, causal=True)
-    assert (kernel.module.BLOCK_M, kernel.module.BLOCK_N, kernel.module.LOADS) == (64, 32, OTHER_LOADS)
+    assert (kernel.variant["BLOCK_M"], kernel.variant["BLOCK_N"], kernel.variant["LOADS"]) == (64, 32, OTHER_LOADS)
     lse = torch.empty(1, 2, 61)
     kernel.forward(q, q, q, out, lse, 0.125, True, 0)
     ref, _ = reference(q, q, q, True, 0, 0.125)
@@ -128,7 +128,7 @@ def test_tune_on_miss_is_opt_in_and_stores_a_winner(tmp_path, monkeypatch):
     store = Store(db)
     (winner,) = store.winners()
     assert winner["problem"] == "fwd/float16/d64/full/g1/q64/k64/w1"  # 2 tiles of work per (interpreter) SM
-    assert module.module.BLOCK_M == json.loads(winner["variant"])["BLOCK_M"]
+    assert module.variant["BLOCK_M"] == json.loads(winner["variant"])["BLOCK_M"]
 
 
 def test_locked_db_warns_and_uses_default_without_stalling(tmp_path):
@@ -188,7 +188,7 @@ def test_backward_reads_grad_out_through_tma_only_when_it_can(monkeypatch):
     strided = torch.randn(1, 2, 40, 2 * 96, generator=g)[..., ::2]  # last stride 2
     ran = []
     real_backward = codegen.Kernel.backward
-    monkeypatch.setattr(codegen.Kernel, "backward", lambda self, *a: ran.append(self.module.LOADS) or real_backward(self, *a))
+    monkeypatch.setattr(codegen.Kernel, "backward", lambda self, *a: ran.append(self.variant["LOADS"]) or real_backward(self, *a))
     for grad, loads in ((strided, "pointer"), (strided.contiguous(), "tma")):
         for t in (q, k, v):
             t.grad = None
@@ -215,9 +215,10 @@ def test_every_shipped_winner_is_servable_on_its_own_gpu():
             db.row_factory = sqlite3.Row
             gpus = [GPUFingerprint(**{f: row[f] for f in fields}) for row in db.execute("SELECT * FROM gpus")]
             # a row of no current template is never served: a change to a template or a vendor
-            # space that forgot to re-key the shipped rows leaves them dead, without a warning
+            # space whose `replaces` record does not carry the shipped rows over leaves them dead
             stale = [(row["problem"], row["template_hash"]) for row in db.execute("SELECT * FROM winners")
-                     if codegen.family_for_hash(Problem.from_key(row["problem"]).op, row["template_hash"]) is None]
+                     if codegen.family_for_hash(Problem.from_key(row["problem"]).op, row["template_hash"],
+                                                earlier=True) is None]
             assert stale == [], f"{path.name}: {len(stale)} rows of no current template, e.g. {stale[:2]}"
         for gpu in gpus:
             with warnings.catch_warnings():

@@ -1,4 +1,4 @@
-"""The backward's Gluon dK/dV kernel (DKDV_KERNEL = "gluon_sm90", templates/attn_bwd.py.jinja).
+"""The backward's Gluon dK/dV kernel (DKDV_KERNEL = "gluon_sm90", autoflash/families/triton_bwd/gluon_dkdv.*).
 
 On any machine: it compiles for Hopper (wgmma, TMA, warp specialization) at every head-dim tile;
 the space offers it only where it runs (Hopper GPU, 16-bit, separate dQ, whole GQA group) and the
@@ -27,6 +27,8 @@ from autoflash.device import gpu_fingerprint  # noqa: E402
 from autoflash.problem import Problem  # noqa: E402
 from autoflash.reference import reference_grads, rel_error  # noqa: E402
 from autoflash.space import InvalidVariant, load_space  # noqa: E402
+from autoflash.families._shared.gluon_tma import head_tile  # noqa: E402
+from autoflash.families.triton_bwd import gluon_dkdv  # noqa: E402
 
 H200 = dataclasses.replace(gpu_fingerprint(), name="NVIDIA H200", cc_major=9, cc_minor=0, smem_per_block=232448)
 
@@ -43,29 +45,29 @@ def gluon_variant(head_dim: int, causal: bool = True, gqa_group: int = 1, dtype:
     return space.validate(knobs, problem, H200)
 
 
-def compile_gluon_dkdv(module, head_dim: int, causal: bool):
+def compile_gluon_dkdv(kernel, head_dim: int, causal: bool):
     from helpers import compile_gluon_for_sm90
 
     q = torch.empty(2, 4, 333, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 517, head_dim, dtype=torch.bfloat16)
     lse = torch.empty(2, 4, 333, dtype=torch.float32)
-    args, constexprs, grid, options = module._gl_dkdv_args(q, k, k.clone(), q.clone(), k.clone(), k.clone(), lse,
-                                                           lse.clone(), 0.125, causal, 517 - 333)
-    return compile_gluon_for_sm90(module._gl_bwd_dkdv, args, constexprs, options)
+    args, constexprs, grid, options = gluon_dkdv.launch_args(kernel.host.knobs, q, k, k.clone(), q.clone(), k.clone(),
+                                                             k.clone(), lse, lse.clone(), 0.125, causal, 517 - 333)
+    return compile_gluon_for_sm90(kernel.module._gl_bwd_dkdv, args, constexprs, options)
 
 
 @pytest.mark.parametrize("head_dim, causal", [(256, True), (200, False), (128, True), (96, True), (64, False)])
 def test_gluon_dkdv_compiles_for_sm90(head_dim, causal):
-    module = codegen.load(gluon_variant(head_dim, causal)).module
-    assert module.DKDV_KERNEL == "gluon_sm90"
-    compiled = compile_gluon_dkdv(module, head_dim, causal)
+    kernel = codegen.load(gluon_variant(head_dim, causal))
+    assert kernel.host.knobs["DKDV_KERNEL"] == "gluon_sm90"
+    compiled = compile_gluon_dkdv(kernel, head_dim, causal)
     ptx = compiled.asm["ptx"]
     assert len(compiled.asm["cubin"]) > 0 and ".target sm_90a" in ptx
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx  # TMA producer, warp-specialized registers
-    tile = module.head_tile(head_dim)
+    tile = head_tile(head_dim)
     # dV += P^T dO and dK += dS^T Q span the head-dim tile: split over the two warpgroups at 64
     # keys (d256), whole per warpgroup at 128 keys
-    per_warpgroup = tile // 2 if module.BLOCK_N1 == 64 else tile
+    per_warpgroup = tile // 2 if kernel.host.knobs["BLOCK_N1"] == 64 else tile
     assert f"wgmma.mma_async.sync.aligned.m64n{per_warpgroup}k16" in ptx
 
 
@@ -94,22 +96,22 @@ def test_gluon_variant_computes_gradients_through_triton_off_hopper(dtype):
     runs with its knobs, and the gradients are right (GQA, causal bottom-right, ragged lengths)."""
     nq, nk, d, hq, hkv = 45, 70, 96, 4, 2
     dt = getattr(torch, dtype)
-    module = codegen.load(gluon_variant(d, True, gqa_group=2)).module
+    kernel = codegen.load(gluon_variant(d, True, gqa_group=2))
     g = torch.Generator().manual_seed(3)
     q, do = (torch.randn(1, nq, hq, d, generator=g).to(dt).transpose(1, 2) for _ in range(2))
     k, v = (torch.randn(1, nk, hkv, d, generator=g).to(dt).transpose(1, 2) for _ in range(2))
-    assert module.gluon_refusal(q, k, v, do, k, v) is not None
+    assert gluon_dkdv.refusal(q, k, v, do, k, v) is not None
     scale, offset = 0.7 / math.sqrt(d), nk - nq
     out, lse = forward_with_lse(q, k, v, True, offset, scale)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    module.launch(q, k, v, out, lse, do, *grads, scale, True, offset)
+    kernel.host.launch(q=q, k=k, v=v, o=out, lse=lse, do=do, dq=grads[0], dk=grads[1], dv=grads[2], sm_scale=scale,
+                       causal=True, causal_offset=offset)
     for mine, ref in zip(grads, reference_grads(q, k, v, do, True, offset, scale)):
         assert rel_error(mine, ref) <= (1e-5 if dtype == "float32" else 5e-3)
 
 
 def test_gluon_refusal_names_what_tma_cannot_take():
-    module = codegen.load(gluon_variant(128)).module
     q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
-    assert "dtype" in module.gluon_refusal(q.float(), q.float())
-    assert "head dim" in module.gluon_refusal(torch.empty(1, 2, 64, 100, dtype=torch.bfloat16))
-    assert "not CUDA" in module.gluon_refusal(q)  # (a CUDA tensor with a broadcast stride: refused too)
+    assert "dtype" in gluon_dkdv.refusal(q.float(), q.float())
+    assert "head dim" in gluon_dkdv.refusal(torch.empty(1, 2, 64, 100, dtype=torch.bfloat16))
+    assert "not CUDA" in gluon_dkdv.refusal(q)  # (a CUDA tensor with a broadcast stride: refused too)

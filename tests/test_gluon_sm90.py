@@ -1,4 +1,4 @@
-"""The Gluon Hopper forward family (templates/attn_fwd_sm90.py.jinja).
+"""The Gluon Hopper forward family (autoflash/families/gluon_sm90_fwd/).
 
 CPU (no marker, runs in CI): a sample of variants compiles for sm90a through Triton's Gluon
 front end, with the exact signature launch() passes. GPU (`gpu` marker): numerics against a
@@ -6,8 +6,6 @@ float64 reference on ragged lengths, Nq != Nk with both causal alignments, GQA, 
 strided inputs, LSE, and rows that see no key.
 """
 
-import hashlib
-import importlib.util
 import math
 import os
 from pathlib import Path
@@ -16,7 +14,6 @@ import pytest
 import torch
 
 pytest.importorskip("triton.experimental.gluon")
-jinja2 = pytest.importorskip("jinja2")
 
 from autoflash import codegen  # noqa: E402
 
@@ -30,8 +27,8 @@ if triton_release(triton.__version__) != (3, 6):
     pytest.skip(f"the Gluon family is written for Triton 3.6's Gluon API (installed: {triton.__version__})",
                 allow_module_level=True)
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
-TEMPLATE = "attn_fwd_sm90.py.jinja"
+
+from autoflash.families._shared.gluon_tma import head_tile  # noqa: E402
 
 # The variant the GPU numerics run on, and every knob named once: one consumer partition of two
 # warpgroups (128 query rows), intra-warpgroup overlap, a 2-deep K/V ring.
@@ -46,19 +43,11 @@ def knobs(**over):
 
 
 def render_module(knob_values, folder):
-    """Render the template (StrictUndefined) to a real .py file and import it (@jit reads source)."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
-    source = env.get_template(TEMPLATE).render(**knob_values)
-    name = "gluon_sm90_" + hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = Path(folder) / f"{name}.py"
-    if not path.exists():
-        path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
+    """The family's host object for these knobs (its kernels rendered, imported for the GPU compiler)."""
+    from autoflash.space import Variant
+
     with codegen.interpreter_off():
-        spec.loader.exec_module(module)
-    return module
+        return codegen.load(Variant.of("gluon_sm90_fwd", knob_values)).host
 
 
 @pytest.fixture(scope="session")
@@ -113,8 +102,8 @@ def compile_for_sm90(module, head_dim, dtype, causal):
     k = torch.empty(2, 2, 517, head_dim, dtype=dtype)
     v, o = torch.empty_like(k), torch.empty_like(q)
     lse = torch.empty(2, 4, 333, dtype=torch.float32)
-    args, constexprs, grid, options = module._kernel_args(q, k, v, o, lse, 0.125, causal, 517 - 333)
-    return compile_gluon_for_sm90(module._attn_fwd_sm90, args, constexprs, options)
+    args, constexprs, grid, options = module.kernel_args(q, k, v, o, lse, 0.125, causal, 517 - 333)
+    return compile_gluon_for_sm90(module.kernels._attn_fwd_sm90, args, constexprs, options)
 
 
 @pytest.mark.parametrize("knob_values, head_dim, dtype, causal", COMPILE_SAMPLE,
@@ -122,9 +111,8 @@ def compile_for_sm90(module, head_dim, dtype, causal):
                               enumerate(COMPILE_SAMPLE)])
 def test_compiles_for_sm90(knob_values, head_dim, dtype, causal, module_dir):
     module = get_module(knob_values, module_dir)
-    assert module.OP == "fwd" and module.FAMILY == "gluon_sm90" and module.LOADS == "tma"
-    for name, value in knob_values.items():
-        assert getattr(module, name) == value
+    assert module.op == "fwd" and module.name == "gluon_sm90_fwd" and module.uses_tma
+    assert module.knobs == knob_values
     kernel = compile_for_sm90(module, head_dim, dtype, causal)
     ptx = kernel.asm["ptx"]
     assert len(kernel.asm["cubin"]) > 0
@@ -132,13 +120,12 @@ def test_compiles_for_sm90(knob_values, head_dim, dtype, causal, module_dir):
     assert "wgmma.mma_async" in ptx  # tensor cores through wgmma, not mma.sync
     assert "cp.async.bulk.tensor" in ptx  # TMA
     assert "setmaxnreg" in ptx  # warp-specialized register split
-    tile = module.head_tile(head_dim)
+    tile = head_tile(head_dim)
     assert f"wgmma.mma_async.sync.aligned.m64n{tile}k16" in ptx  # O += P V spans the whole head-dim tile
 
 
 def test_head_tile_pads_to_64_128_256():
-    module = render_module(knobs(), Path(os.environ.get("TMPDIR", "/tmp")))
-    assert [module.head_tile(d) for d in (8, 64, 72, 96, 128, 136, 256)] == [64, 64, 128, 128, 128, 256, 256]
+    assert [head_tile(d) for d in (8, 64, 72, 96, 128, 136, 256)] == [64, 64, 128, 128, 128, 256, 256]
 
 
 def test_supports_rejects_what_tma_cannot_take():
@@ -207,7 +194,7 @@ def run_case(module, B, H, HK, NQ, NK, D, causal, offset, dtype, layout="bhnd", 
     lse = torch.full((B, H, NQ), float("nan"), device="cuda", dtype=torch.float32)
     scale = 1 / math.sqrt(D)
     assert module.supports(q, k, v, o) is None
-    module.launch(q, k, v, o, lse, scale, causal, offset)
+    module.launch(q=q, k=k, v=v, o=o, lse=lse, sm_scale=scale, causal=causal, causal_offset=offset)
     torch.cuda.synchronize()
     ref, ref_lse, rows = reference(q, k, v, causal, offset, scale)
     assert not torch.isnan(o).any(), "NaN (or an unwritten element) in O"
@@ -350,7 +337,7 @@ def test_padded_head_dims_read_and_write_nothing_past_the_head_dim(head_dim, mod
     lse = torch.empty(B, H, NQ, device="cuda", dtype=torch.float32)
     assert module.supports(q, k, v, o) is None
     scale = head_dim ** -0.5
-    module.launch(q, k, v, o, lse, scale, True, NK - NQ)
+    module.launch(q=q, k=k, v=v, o=o, lse=lse, sm_scale=scale, causal=True, causal_offset=NK - NQ)
     torch.cuda.synchronize()
     assert (ob[..., head_dim:] == 7.0).all(), "the kernel wrote past the head dim"
     assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "the kernel read past the head dim"

@@ -79,10 +79,10 @@ def test_default_uses_tma_on_hopper_for_contiguous_inputs():
     untuned = Dispatcher(winner_paths=[])  # the built-in default alone, whatever the shipped DBs hold
     q = torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
     module = untuned.kernel_for(q, q, q, torch.empty_like(q), causal=False)
-    assert module.module.LOADS == "tma"
+    assert module.variant["LOADS"] == "tma"
     base = torch.randn(q.numel() + 1, device="cuda", dtype=torch.bfloat16)
     odd = base[1:].view(q.shape)  # base address 2 bytes off a 16-byte boundary -> pointer loads
-    assert untuned.kernel_for(odd, odd, odd, torch.empty_like(odd), causal=False).module.LOADS != "tma"
+    assert untuned.kernel_for(odd, odd, odd, torch.empty_like(odd), causal=False).variant["LOADS"] != "tma"
 
 
 DEFAULTS = [(op, d, c) for op in ("fwd", "bwd") for d in (64, 128, 256) for c in (False, True)]

@@ -109,7 +109,7 @@ def test_every_constrained_variant_renders_to_python():
     for v in seen:
         src = codegen.render(v)
         compile(src, f"<{v.json()}>", "exec")
-        assert f"BLOCK_M = {v['BLOCK_M']}" in src
+        assert v.json() in src  # (the header names the variant it renders)
 
 
 def test_render_refuses_undeclared_values():

@@ -192,7 +192,7 @@ def test_many_sequences_run_in_windows_of_the_grid_limit(monkeypatch):
     bwd = codegen.load(next(v for v in BWD_SAMPLE if v["DQ_MODE"] == "separate"))
     atomic = codegen.load(next(v for v in BWD_SAMPLE if v["DQ_MODE"] == "atomic"))
     for kernel in (fwd, bwd, atomic):
-        monkeypatch.setattr(kernel.module, "MAX_GRID_AXIS", 4)
+        monkeypatch.setattr(kernel.host, "max_grid_axis", 4)
     lens_q, lens_k = (3, 0, 20, 1, 9, 17, 2), (5, 4, 20, 0, 9, 30, 1)
     q, k, v, do = packed_inputs(lens_q, lens_k, 2, 1, 16, torch.float32, "cpu", seed=3)
     want = per_sequence_reference(q, k, v, do, lens_q, lens_k, True, 0.25)

@@ -150,7 +150,7 @@ def db_export(db_file, fmt, table, op, current, output):
 
     def keep(row) -> bool:
         return ((op is None or row["op"] == op)
-                and (not current or codegen.family_for_hash(row["op"], row["template_hash"]) is not None))
+                and (not current or codegen.family_for_hash(row["op"], row["template_hash"], earlier=True) is not None))
 
     store = open_store(db_file, readonly=True)
     if fmt == "sqlite":

@@ -1,0 +1,91 @@
+"""The family contract: what every kernel family's `host.py` implements.
+
+A kernel family is one folder of `autoflash/families/`: `kernel.py.jinja` (device code only: the
+`@triton.jit` / `@gluon.jit` functions a variant renders to), `host.py` (a subclass of one of the
+classes below: grid, `supports`, TMA descriptor set-up, the keyword-argument launch) and
+`space.toml` (knobs, constraints, defaults). `replaces.toml` lists the template hashes whose stored
+winners are this family's kernels unchanged (see `autoflash.families.replaced_hashes`).
+
+A host object serves one variant: `knobs` are its validated knob values, `kernels` the module
+rendered from the template for them. A launch works on the caller's current stream; it may put
+kernels on a stream of its own if each run of them first waits for the caller's stream, the
+caller's stream waits for them only when `launch` returns (also when it raises), and nothing on the
+caller's stream reads what they write before that: the order `replay` reproduces for a bound
+launch. A launch depends on its tensors' shapes, strides, dtypes and device and on its scalars,
+never on tensor values read on the host.
+"""
+
+from __future__ import annotations
+
+import abc
+from types import ModuleType
+from typing import ClassVar
+
+# CUDA caps grid axes 1 and 2 at 65535 programs.
+MAX_GRID_AXIS = 65535
+
+
+class Family(abc.ABC):
+    """One compiled variant of a kernel family, as the runtime launches it."""
+
+    name: ClassVar[str]  # the family's name (its folder, its key in `space.FAMILIES`)
+    op: ClassVar[str]  # "fwd" | "bwd" | "decode"
+    supports_varlen: ClassVar[bool] = False  # `launch_varlen` takes packed variable-length sequences
+
+    def __init__(self, knobs: dict, kernels: ModuleType):
+        self.knobs = dict(knobs)
+        self.kernels = kernels
+
+    @property
+    def uses_tma(self) -> bool:
+        """The kernels read through TMA tensor descriptors (the caller registers Triton's scratch
+        allocator and checks the tensors' alignment first)."""
+        return self.knobs.get("LOADS") == "tma"
+
+    def supports(self, q, k, v, o) -> str | None:
+        """Why these (B, H, N, D) tensors cannot be taken (beyond TMA alignment), or None."""
+        return None
+
+
+class ForwardFamily(Family):
+    op = "fwd"
+
+    @abc.abstractmethod
+    def launch(self, *, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int,
+               compile_only: bool = False) -> None:
+        """q, o: (B, H, N_Q, D) views; k, v: (B, H_kv, N_K, D) views; lse: (B, H, N_Q) float32 (any
+        strides), written in place. causal_offset: key j is visible to query i iff j <= i + causal_offset.
+        compile_only: build (or fetch from Triton's cache) the binary for these argument types, no launch."""
+
+    def launch_varlen(self, *, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
+                      causal: bool, compile_only: bool = False) -> None:
+        """Packed sequences: q, o (total_q, H, D); k, v (total_k, H_kv, D); lse (H, total_q) float32;
+        cu_seqlens int32 (B + 1,). Causal is bottom-right per sequence."""
+        raise NotImplementedError(f"{self.name} takes no packed sequences")
+
+
+class BackwardFamily(Family):
+    op = "bwd"
+
+    @abc.abstractmethod
+    def launch(self, *, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int,
+               compile_only: bool = False) -> None:
+        """dq, dk, dv written in place from the forward's o and lse (layouts as the forward's)."""
+
+    def launch_varlen(self, *, q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                      max_seqlen_k: int, sm_scale: float, causal: bool, compile_only: bool = False) -> None:
+        raise NotImplementedError(f"{self.name} takes no packed sequences")
+
+
+class DecodeFamily(Family):
+    op = "decode"
+
+    @abc.abstractmethod
+    def launch(self, *, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
+               sm_count: int = 1, num_splits: int | None = None, compile_only: bool = False,
+               tma_ok: bool = False) -> int:
+        """q, o: (B, Q_LEN, H, D) any strides; k_cache, v_cache: (B, N_max, H_KV, D) or, with
+        block_table (B, max_blocks) int32, pages (num_blocks, PAGE_SIZE, H_KV, D), any strides;
+        seqlens: (B,) int32 contiguous, keys per sequence; lse: (B, H, Q_LEN) float32 contiguous.
+        sm_count: the GPU's SMs; num_splits: a caller's split count (None or 0: the knob's).
+        tma_ok: the caches' strides and alignment allow TMA descriptors. Returns the splits used."""

@@ -1,0 +1,69 @@
+"""The Triton forward family's host side: grid, argument set-up and the launch of `_attn_fwd`
+(kernel.py.jinja). Knobs that shape the device code are rendered into it; the ones read here are the
+tile sizes, launch options and the grid order."""
+
+from __future__ import annotations
+
+import triton
+
+from autoflash.families._shared.triton_launch import dot_precision, head_block
+from autoflash.families.base import MAX_GRID_AXIS, ForwardFamily
+
+
+class TritonForward(ForwardFamily):
+    name = "triton_fwd"
+    supports_varlen = True
+    max_grid_axis = MAX_GRID_AXIS  # (a test lowers it to exercise the split launches)
+
+    def grid(self, batch: int, heads: int, n_q: int) -> tuple[int, int]:
+        blocks_m = triton.cdiv(n_q, self.knobs["BLOCK_M"])
+        if self.knobs["GRID_ORDER"] == "m_major":
+            return (blocks_m, batch * heads)
+        return (batch * heads, blocks_m)
+
+    def launch(self, *, q, k, v, o, lse, sm_scale, causal, causal_offset, compile_only=False):
+        batch, _heads, n_q, _ = q.shape
+        self._launch(q, k, v, o, lse, None, None, lse.stride(0), lse.stride(1), batch, n_q, k.shape[2], sm_scale,
+                     causal, causal_offset, compile_only)
+
+    def launch_varlen(self, *, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, causal,
+                      compile_only=False):
+        batch = cu_seqlens_q.shape[0] - 1
+        q4, k4, v4, o4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o))  # (1, H, total, D) views
+        # A grid axis holds batch x heads programs; CUDA caps axes 1 and 2 at 65535, so a batch of many
+        # short sequences runs in several launches, each over a window of cu_seqlens.
+        per_launch = max(1, self.max_grid_axis // q.shape[1])
+        for first in range(0, batch, per_launch):
+            self._launch(q4, k4, v4, o4, lse, cu_seqlens_q[first:], cu_seqlens_k[first:], 0, lse.stride(0),
+                         min(per_launch, batch - first), max(max_seqlen_q, 1), k.shape[0], sm_scale, causal, 0,
+                         compile_only)
+            if compile_only:
+                break
+
+    def _launch(self, q, k, v, o, lse, cu_q, cu_k, stride_lz, stride_lh, batch, n_q, n_k, sm_scale, causal,
+                causal_offset, compile_only):
+        if not sm_scale > 0:
+            raise ValueError(f"the kernels need a positive softmax scale, got {sm_scale}")
+        heads, head_dim = q.shape[1], q.shape[3]
+        split = {}
+        if self.knobs["HEAD_SPLIT"]:  # d = BLOCK_DA + (the rest padded to a power of two >= 16)
+            block_da = 1 << (head_dim.bit_length() - 1)
+            split = dict(BLOCK_DA=block_da, BLOCK_DB=triton.next_power_of_2(max(head_dim - block_da, 16)))
+        kernel = self.kernels._attn_fwd
+        (kernel.warmup if compile_only else kernel.run)(
+            q, k, v, o, lse, cu_q, cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), stride_lz, stride_lh,
+            heads, n_q, n_k, heads // k.shape[1], sm_scale, causal_offset,
+            HEAD_DIM=head_dim,
+            BLOCK_D=head_block(head_dim),
+            IS_CAUSAL=causal,
+            DOT_PRECISION=dot_precision(q.dtype),
+            BLOCK_M=self.knobs["BLOCK_M"],
+            BLOCK_N=self.knobs["BLOCK_N"],
+            VARLEN=cu_q is not None,
+            **split,
+            num_warps=self.knobs["num_warps"],
+            num_stages=self.knobs["num_stages"],
+            grid=self.grid(batch, heads, n_q),
+            **({} if compile_only else {"warmup": False}),
+        )

@@ -136,7 +136,10 @@ class Tuner:
         done.update({f"{family}:{k}": r for k, r in mine.items()})
         budget = min(trials, len(valid))
         study, queue_ = self._open_search(problem, thash, first, valid, trials, budget)
-        measured = sum(1 for r in mine.values() if r["status"] != "pruned")
+        # Each variant counts once against the budget, however often it is heard of (a claim seen
+        # at the start and measured again after its worker died; a claim another tuner took).
+        counted = {key for key, r in mine.items() if r["status"] != "pruned"}
+        measured = len(counted)
         failed = 0
         best = min((r["median_ms"] for r in done.values() if r["status"] == "ok" and r["median_ms"]), default=math.inf)
         batch_size = self.compilers and self.opt.compile_workers or 1
@@ -174,14 +177,22 @@ class Tuner:
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
                 row, outcome = self._measure(variant, c, shape, thash)
-                if row is None:  # a concurrent tuner on this DB measured (or is measuring) it: share,
-                    # and remember it as taken so that the sampler is not asked for it again
-                    mine[variant.json()] = {"variant": variant.json(), "status": "claimed", "median_ms": None}
-                    measured += 1
-                    _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
+                key = variant.json()
+                if row is None:  # this DB has it already: a concurrent tuner's claim or measurement
+                    # (share it, and remember it as taken so that the sampler is not asked for it
+                    # again), or a killed run's measurement that reached the DB but not the study,
+                    # whose trial the study queued again: counted once, answered from the DB.
+                    known = mine.setdefault(key, {"variant": key, "status": "claimed", "median_ms": None})
+                    measured += key not in counted
+                    counted.add(key)
+                    if known["status"] == "ok" and known["median_ms"]:
+                        _tell(study, trial, known["median_ms"])
+                    else:
+                        _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
                     continue
-                mine[variant.json()] = done[f"{family}:{variant.json()}"] = row
-                measured += 1
+                mine[key] = done[f"{family}:{key}"] = row
+                measured += key not in counted
+                counted.add(key)
                 self.total_measured += 1
                 if outcome.status == "ok" and math.isfinite(outcome.ms):
                     _tell(study, trial, outcome.ms)

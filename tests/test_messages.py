@@ -56,7 +56,7 @@ def test_tune_interpret_writes_its_own_db_and_says_where(tmp_path, monkeypatch, 
     assert r.exit_code == 0, r.output
     interpret_db, gpu_db = tmp_path / "cache" / "autoflash" / "interpret.db", tmp_path / "cache" / "autoflash" / "autoflash.db"
     said = flat(r.output)
-    assert f"Results go to {interpret_db}, never among a GPU's winners" in said
+    assert f"Results go to {interpret_db} (the interpreter's own DB, never among a GPU's winners)" in said
     assert "Real tuning needs a CUDA GPU" in said
     assert not gpu_db.exists()
     assert Store(interpret_db, readonly=True).counts()["winners"] == 1
@@ -64,6 +64,10 @@ def test_tune_interpret_writes_its_own_db_and_says_where(tmp_path, monkeypatch, 
     r = invoke("which", "--interpret", "--shapes", shapes)
     row = next(line for line in r.output.splitlines() if "fwd/float32/d32" in line)
     assert "exact" in row and "interpret.db" in row
+    # A DB the user names is used as named, and not called the interpreter's own.
+    r = invoke("tune", "--interpret", "--shapes", shapes, "--trials", "1", "--db", tmp_path / "chosen.db")
+    said = flat(r.output)
+    assert r.exit_code == 0 and f"Results go to {tmp_path / 'chosen.db'}." in said and "own DB" not in said
 
 
 def test_the_gpu_db_and_the_interpreters_are_two_files(tmp_path, monkeypatch):

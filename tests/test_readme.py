@@ -132,7 +132,7 @@ def test_the_readme_code_blocks_run(tmp_path):
     assert len(ran) >= 6
     said = " ".join(" ".join(out for _, out in ran).split())
     # The quick start's dry run went to the interpreter's own DB and said so; the GPU DB stays untouched.
-    assert f"Results go to {tmp_path / 'cache' / 'autoflash' / 'interpret.db'}" in said
+    assert f"Results go to {tmp_path / 'cache' / 'autoflash' / 'interpret.db'} (the interpreter's own DB" in said
     assert "Real tuning needs a CUDA GPU" in said
     assert not (tmp_path / "cache" / "autoflash" / "autoflash.db").exists()
     assert re.search(r"\d+ winner\(s\) written to winners.json", said)

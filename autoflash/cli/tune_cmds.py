@@ -80,6 +80,9 @@ def _results_table(results, title):
     return t
 
 
+OWN_DB_NOTE = " (the interpreter's own DB, never among a GPU's winners)"
+
+
 def _parse_ops(ops: str) -> list[str]:
     op_list = [o.strip() for o in ops.split(",") if o.strip()]
     unknown = [o for o in op_list if o not in OPS]
@@ -197,9 +200,13 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
                   f"(torch {device.torch_version}, triton {device.triton_version}) -> {store.path}"
                   + (f" with {n} workers" if n > 1 else "") + f"; studies: {describe(storage, store.path)}")
     if interpret:
+        from autoflash.store import default_db_path
+
+        own = default_db_path(interpret=True)
+        apart = store.path == own != default_db_path(interpret=False)  # (not when --db or $AUTOFLASH_DB chose)
         console.print(f"[yellow]interpreter mode: kernels run on the CPU; correctness is real, timings are not "
                       f"GPU performance. Real tuning needs a CUDA GPU (`autoflash tune` there). Results go to "
-                      f"{store.path}, never among a GPU's winners.[/]")
+                      f"{store.path}{OWN_DB_NOTE if apart else ''}.[/]")
     command = " ".join(["autoflash", *sys.argv[1:]])
     with sigterm_interrupts():  # a scheduler's SIGTERM stops the run like Ctrl-C: work stored, DB one file
         if n == 1:

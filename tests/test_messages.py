@@ -86,6 +86,7 @@ def test_the_gpu_db_and_the_interpreters_are_two_files(tmp_path, monkeypatch):
     (b"", "it is not JSON (Expecting value"),
     (b"name,ms\nx,1\n", "it is not JSON ("),
     (b"\xd0\xcf\x11\xe0 binary", "it is not a text file, so no winners export"),
+    (b'[{"problem": "fwd/x"}]', 'it is JSON but no winners export (those have "format": "autoflash-winners")'),
 ])
 def test_db_import_of_a_file_that_is_no_export_names_it_and_the_fix(tmp_path, content, expected):
     bad = tmp_path / "winners.json"

@@ -222,13 +222,17 @@ def _read_export(path: str):
         raise click.ClickException(f"cannot import {path}: it is an SQLite database, not a JSON export; to take "
                                    f"its winners, run `autoflash db merge {path}`")
     try:
-        return json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise click.ClickException(f"cannot import {path}: it is not a text file, so no winners export "
                                    f"(those are JSON); {fix}") from None
     except ValueError as e:
         raise click.ClickException(f"cannot import {path}: it is not JSON ({one_line(e)}), so no winners export; "
                                    f"{fix}") from None
+    if not isinstance(data, dict) or data.get("format") != "autoflash-winners":
+        raise click.ClickException(f"cannot import {path}: it is JSON but no winners export (those have "
+                                   f"\"format\": \"autoflash-winners\"); {fix}")
+    return data
 
 
 @db.command("merge")

@@ -61,6 +61,9 @@ def test_tune_interpret_writes_its_own_db_and_says_where(tmp_path, monkeypatch, 
     assert not gpu_db.exists()
     assert Store(interpret_db, readonly=True).counts()["winners"] == 1
     assert invoke("db", "path", "--interpret").output.strip() == str(interpret_db)
+    import autoflash.dispatch
+
+    monkeypatch.setattr(autoflash.dispatch, "_dispatcher", None)  # as a new process: a dispatcher reading the DBs now
     r = invoke("which", "--interpret", "--shapes", shapes)
     row = next(line for line in r.output.splitlines() if "fwd/float32/d32" in line)
     assert "exact" in row and "interpret.db" in row

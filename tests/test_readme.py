@@ -136,3 +136,13 @@ def test_the_readme_code_blocks_run(tmp_path):
     assert "Real tuning needs a CUDA GPU" in said
     assert not (tmp_path / "cache" / "autoflash" / "autoflash.db").exists()
     assert re.search(r"\d+ winner\(s\) written to winners.json", said)
+
+
+def test_every_extra_the_readme_installs_exists():
+    """`pip install ".[name]"` in the README names an extra of pyproject.toml (datasette had none)."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = set(re.findall(r"""pip install ['"]\.\[(\w+)\]['"]""", README.read_text(encoding="utf-8")))
+    assert {"datasette", "postgres", "test"} <= named
+    assert named <= extras, named - extras

@@ -83,10 +83,21 @@ def gpu_fingerprint(device_index: int | None = None) -> GPUFingerprint:
                           sm_count=1, smem_per_block=232448, **versions)
 
 
-@functools.cache
+# interpreter_numpy_problem's answer, once computed. A plain memo, not functools.cache: the API
+# asks it on every call, torch.compile traces those calls, and Dynamo warns about each
+# lru_cache-wrapped function it traces ("Silent incorrectness is only a potential risk").
+_NUMPY_PROBLEM: list = []
+
+
 def interpreter_numpy_problem() -> str | None:
     """Triton 3.6's interpreter fails with numpy >= 2.4 ("only 0-dimensional arrays can be
     converted"); newer Triton releases do not. Checked here, where it matters, not by a pin."""
+    if not _NUMPY_PROBLEM:
+        _NUMPY_PROBLEM.append(_numpy_problem_now())
+    return _NUMPY_PROBLEM[0]
+
+
+def _numpy_problem_now() -> str | None:
     import numpy
     import triton
 

@@ -104,6 +104,32 @@ def shape_problem(shape: Shape) -> str | None:
     return None
 
 
+# The keys of a shape file's tables (see `load_shape_set`): a [[shape]] is a Shape's fields
+# (heads_kv defaults to heads_q); a [[grid]] crosses lists.
+SHAPE_KEYS = SHAPE_FIELDS + ("op", "page")
+SHAPE_REQUIRED = tuple(f for f in SHAPE_FIELDS if f != "heads_kv")
+GRID_KEYS = ("dtype", "head_dim", "causal", "seqlen", "batch", "tokens", "heads_q", "hidden", "heads_kv")
+GRID_REQUIRED = (("dtype",), ("head_dim",), ("causal",), ("seqlen",), ("batch", "tokens"), ("heads_q", "hidden"))
+
+
+def _entry_problem(entry, keys: tuple) -> str | None:
+    """What is wrong with one [[shape]] or [[grid]] table's keys (a misspelt or missing key), or None."""
+    import difflib
+
+    if not isinstance(entry, dict):
+        return "not a table"
+    for key in entry:
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"unknown key {key!r}{hint}; the keys are {', '.join(keys)}"
+    required = [(f,) for f in SHAPE_REQUIRED] if keys == SHAPE_KEYS else GRID_REQUIRED
+    for alternatives in required:
+        if not any(a in entry for a in alternatives):
+            return f"missing key {' or '.join(repr(a) for a in alternatives)}"
+    return None
+
+
 def shape_set_names() -> list[str]:
     """Named shape sets: search_spaces/shapes_<name>.toml (standard, gqa, tiny, long, sweep_d64, ...)."""
     from autoflash import resources
@@ -133,6 +159,13 @@ def load_shape_set(name_or_path: str, op: str = "fwd") -> list[Shape]:
         if not path.is_file():
             raise ValueError(f"unknown shape set {name_or_path!r}: not one of {shape_set_names()} nor a file")
         data = tomllib.loads(path.read_text())
+    unknown_tables = sorted(set(data) - {"grid", "shape"})
+    if unknown_tables:
+        raise ValueError(f"{name_or_path}: unknown table(s) {unknown_tables}: a shape set has [[grid]] and [[shape]] tables")
+    for table, fields in (("grid", GRID_KEYS), ("shape", SHAPE_KEYS)):
+        for i, entry in enumerate(data.get(table, [])):
+            if reason := _entry_problem(entry, fields):
+                raise ValueError(f"{name_or_path}: [[{table}]] {i + 1}: {reason}")
     shapes = []
     for g in data.get("grid", []):
         for dtype, d, causal, n in itertools.product(g["dtype"], g["head_dim"], g["causal"], g["seqlen"]):

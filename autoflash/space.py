@@ -118,10 +118,11 @@ class Variant:
         return Variant(self.family, tuple(sorted({**self.as_dict(), **changes}.items())))
 
     def short(self) -> str:
-        """Compact, for tables: tiles, warps, stages, then the other knobs' values (a true flag by
-        its name, a false one left out), e.g. '128x64 w8 s3 m_major ascending tma split' or
-        '64x64/128x32 w4 s2 separate kv_major' (dK/dV tile / dQ tile; no dQ tile when the dK/dV
-        kernel adds dQ itself)."""
+        """Compact, for tables: tiles, warps, stages, then the other knobs (a word value as it is,
+        a true flag by its name, a false one left out, a number with its knob's name), e.g.
+        '128x64 w8 s3 m_major ascending tma split', '64x64/128x32 w4 s2 separate kv_major' (dK/dV
+        tile / dQ tile; no dQ tile when the dK/dV kernel adds dQ itself) or, for a family without
+        num_warps/num_stages, '64x128 NUM_STAGES=2 HEAVY_FIRST CONSUMER_REGS=240'."""
         d = self.as_dict()
         if "BLOCK_M" in d:
             tiles = f"{d['BLOCK_M']}x{d['BLOCK_N']}"
@@ -132,8 +133,11 @@ class Variant:
         else:
             return " ".join(f"{k}={v}" for k, v in d.items())
         shown = {"BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"}
-        rest = [k if v is True else str(v) for k, v in d.items() if k not in shown and v is not False]
-        return " ".join([tiles, f"w{d.get('num_warps')}", f"s{d.get('num_stages')}", *rest])
+        parts = [tiles] + [f"{label}{d[knob]}" for knob, label in (("num_warps", "w"), ("num_stages", "s")) if knob in d]
+        for k, v in d.items():
+            if k not in shown and v is not False:
+                parts.append(k if v is True else v if isinstance(v, str) else f"{k}={v}")
+        return " ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)

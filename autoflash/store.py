@@ -33,12 +33,21 @@ from autoflash.store_validate import (READABLE_VERSIONS, SCHEMA_VERSION, StoreEr
 BUSY_TIMEOUT_MS = 30_000
 
 
-def default_db_path() -> pathlib.Path:
-    """$AUTOFLASH_DB, else $XDG_CACHE_HOME/autoflash/autoflash.db, else ~/.cache/autoflash/autoflash.db."""
+def default_db_path(interpret: bool | None = None) -> pathlib.Path:
+    """$AUTOFLASH_DB, else $XDG_CACHE_HOME/autoflash/autoflash.db, else ~/.cache/autoflash/autoflash.db.
+
+    Kernels run in Triton's CPU interpreter (`interpret`; None: as TRITON_INTERPRET says) have a DB
+    of their own beside it, interpret.db: `autoflash tune --interpret` stores its results (timings
+    of the interpreter, no GPU's) there, never among a GPU's winners, and the interpreter's runs
+    read them from there. $AUTOFLASH_DB, the user's explicit choice, is used either way."""
     if os.environ.get("AUTOFLASH_DB"):
         return pathlib.Path(os.environ["AUTOFLASH_DB"])
+    if interpret is None:
+        from autoflash.device import interpreter_enabled
+
+        interpret = interpreter_enabled()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "autoflash" / "autoflash.db"
+    return pathlib.Path(base) / "autoflash" / ("interpret.db" if interpret else "autoflash.db")
 
 
 # --------------------------------------------------------------------------- the store

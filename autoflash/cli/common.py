@@ -155,6 +155,22 @@ def output_option(*decls, database: bool = False, **kwargs):
     return click.option(*decls, type=click.Path(dir_okay=False), callback=callback, **kwargs)
 
 
+def default_shape_set(op: str, interpret: bool) -> str:
+    """The shape set `tune` and `which` take without --shapes: the decode op has its own (a few new
+    tokens against a cache); the interpreter tiny ones."""
+    if op == "decode":
+        return "decode_tiny" if interpret else "decode"
+    return "tiny" if interpret else "standard"
+
+
+def shapes_help(what: str) -> str:
+    """--shapes help naming every shape set there is (search_spaces/shapes_<name>.toml)."""
+    from autoflash.shapes import shape_set_names
+
+    return (f"{what}: a shape set, one of {', '.join(shape_set_names())} (default: standard; decode for the "
+            "decode op; tiny and decode_tiny with --interpret), or a TOML file of [[shape]] / [[grid]] tables.")
+
+
 def load_shapes(value: str, op: str = "fwd", param_hint: str = "'--shapes'"):
     """The shapes of a named set or TOML file; a bad name or file is a usage error naming the option."""
     from autoflash.shapes import load_shape_set

@@ -21,14 +21,16 @@ def db():
 
 
 @db.command("path")
-def db_path_cmd():
-    """Print the path of the user results DB ($AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db).
+@click.option("--interpret", is_flag=True, help="The DB of `autoflash tune --interpret` (the CPU interpreter's).")
+def db_path_cmd(interpret):
+    """Print the path of the user results DB ($AUTOFLASH_DB, else ~/.cache/autoflash/autoflash.db;
+    with --interpret the interpreter's, ~/.cache/autoflash/interpret.db).
 
     Example: sqlite-utils tables "$(autoflash db path)" --counts
     """
     from autoflash.store import default_db_path
 
-    click.echo(str(default_db_path()))
+    click.echo(str(default_db_path(interpret=interpret or None)))
 
 
 @db.command("list")
@@ -121,10 +123,19 @@ def db_show(problem_key, db_file):
         t = Table(title=f"{total} trial(s)")
         for col in ("status", "median ms", "TFLOP/s", "error", "variant / message"):
             t.add_column(col)
-        for r in trials_best_first(store, problem_key, limit=20):
+        listed = trials_best_first(store, problem_key, limit=20)
+        for r in listed:
             t.add_row(r["status"], f"{r['median_ms'] or float('nan'):.4f}", f"{r['tflops'] or float('nan'):.1f}",
                       f"{r['err'] or float('nan'):.2e}", r["variant"] if r["status"] == "ok" else (r["message"] or "")[:120])
         console.print(t)
+        slowest_winner = max((w["median_ms"] for w in winners if w["median_ms"]), default=None)
+        faster = [r for r in listed if r["status"] == "ok" and r["median_ms"] and slowest_winner
+                  and r["median_ms"] < slowest_winner]
+        if faster:
+            console.print(f"note: {len(faster)} trial(s) above read faster than a winner's median_ms. Trials are "
+                          "timed one at a time while searching; the winner was picked afterwards by re-measuring the "
+                          "best candidates, the default and SDPA interleaved in one process (its median_ms is that "
+                          "re-measurement), where it was the fastest. Trial times are not comparable with it.")
 
 
 @db.command("export")
@@ -164,13 +175,18 @@ def db_export(db_file, fmt, table, op, current, output):
     refuse_database(output, param_hint="'-o' / '--output'")  # (JSON or CSV in place of a DB, its source too)
     with click.open_file(output, "w") as f:
         if fmt == "json":
-            json.dump(store.export_winners(keep=keep), f, indent=1, sort_keys=True)
+            data = store.export_winners(keep=keep)
+            json.dump(data, f, indent=1, sort_keys=True)
             f.write("\n")
+            n, what = len(data["winners"]), "winner(s)"
         else:
             columns, rows = table_dump(store, table)
             writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             writer.writerows(rows)
+            n, what = len(rows), f"{table} row(s)"
+    if output != "-":  # (on standard output the data alone: it may be piped)
+        console.print(f"{n} {what} written to {output}")
 
 
 @db.command("import")
@@ -185,15 +201,38 @@ def db_import(json_file, db_file):
 
     from autoflash.store import StoreError
 
+    data = _read_export(json_file)
     store = open_store(db_file, readonly=False)
     try:
-        with open(json_file) as f:
-            counts = store.import_winners(json.load(f))
+        counts = store.import_winners(data)
     except (StoreError, ValueError, KeyError, TypeError, AttributeError, sqlite3.IntegrityError,
             sqlite3.InterfaceError) as e:
         why = f"missing field {e}" if isinstance(e, KeyError) else one_line(e)
         raise click.ClickException(f"cannot import {json_file}: {why}") from None
     console.print(f"imported into {store.path}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+
+
+def _read_export(path: str):
+    """The JSON of a winners export; a file that is none (a DB, other text, binary) is a one-line
+    error naming what it is and what to do instead."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    fix = "make one with `autoflash db export -o FILE.json` on the machine that has the winners"
+    if raw.startswith(b"SQLite format 3"):
+        raise click.ClickException(f"cannot import {path}: it is an SQLite database, not a JSON export; to take "
+                                   f"its winners, run `autoflash db merge {path}`")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise click.ClickException(f"cannot import {path}: it is not a text file, so no winners export "
+                                   f"(those are JSON); {fix}") from None
+    except ValueError as e:
+        raise click.ClickException(f"cannot import {path}: it is not JSON ({one_line(e)}), so no winners export; "
+                                   f"{fix}") from None
+    if not isinstance(data, dict) or data.get("format") != "autoflash-winners":
+        raise click.ClickException(f"cannot import {path}: it is JSON but no winners export (those have "
+                                   f"\"format\": \"autoflash-winners\"); {fix}")
+    return data
 
 
 @db.command("merge")

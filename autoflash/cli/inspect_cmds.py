@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from autoflash.cli.common import OPS, console, load_shapes, use_interpreter
+from autoflash.cli.common import OPS, console, default_shape_set, load_shapes, shapes_help, use_interpreter
 
 
 @click.command()
@@ -37,12 +37,13 @@ def info():
 
 
 @click.command()
-@click.option("--shapes", default="standard", show_default=True,
-              help="Shape set (standard, gqa, long, ...) or a TOML file.")
+@click.option("--shapes", default=None, help=shapes_help("Shapes to resolve"))
 @click.option("--op", type=click.Choice(OPS), default="fwd", show_default=True,
               help="Kernel op (decode: flash_attn_with_kvcache; a shape's seqlen_k is its cache's capacity).")
+@click.option("--db", "db_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Results DB to serve from, before the shipped ones (default: the user DB).")
 @click.option("--interpret", is_flag=True, help="Resolve for the Triton CPU interpreter instead of the GPU.")
-def which(shapes, op, interpret):
+def which(shapes, op, db_file, interpret):
     """Which kernel autoflash.attention serves for each shape on this machine, and where it comes from.
 
     For each shape: the problem key, whether a tuned winner matched (exact or nearest seqlen bucket)
@@ -50,18 +51,20 @@ def which(shapes, op, interpret):
     Nothing is compiled or launched.
 
     Example: autoflash which --shapes standard
+    Example: autoflash which --op decode --db my-tuning.db
     """
     import dataclasses
     from pathlib import Path
 
     if interpret:
         use_interpreter()
+    from autoflash import resources
     from autoflash.device import gpu_fingerprint
-    from autoflash.dispatch import get_dispatcher
+    from autoflash.dispatch import Dispatcher, get_dispatcher
 
-    shape_list = load_shapes(shapes)
+    shape_list = load_shapes(shapes or default_shape_set(op, interpret), op)
     device = gpu_fingerprint()
-    disp = get_dispatcher()
+    disp = get_dispatcher() if db_file is None else Dispatcher([Path(db_file), *resources.shipped_databases()])
     t = Table(title=f"kernels served on {device.name} ({op}; tensors in their default layout)")
     for col in ("shape", "problem", "winner", "from", "variant"):
         t.add_column(col)

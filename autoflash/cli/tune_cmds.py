@@ -7,8 +7,8 @@ import sys
 import click
 from rich.table import Table
 
-from autoflash.cli.common import (OPS, console, load_shapes, one_line, output_option, require_gpu,
-                                  use_interpreter)
+from autoflash.cli.common import (OPS, console, default_shape_set, load_shapes, one_line, output_option,
+                                  require_gpu, shapes_help, use_interpreter)
 from autoflash.problem import DTYPES, Problem
 
 
@@ -80,6 +80,9 @@ def _results_table(results, title):
     return t
 
 
+OWN_DB_NOTE = " (the interpreter's own DB, never among a GPU's winners)"
+
+
 def _parse_ops(ops: str) -> list[str]:
     op_list = [o.strip() for o in ops.split(",") if o.strip()]
     unknown = [o for o in op_list if o not in OPS]
@@ -92,12 +95,10 @@ def _parse_ops(ops: str) -> list[str]:
 def _tune_shapes(op_list, shapes, dtype, interpret):
     import dataclasses
 
-    def default_set(op):  # the decode op has its own shapes (a few new tokens against a cache)
-        return ("decode_tiny" if interpret else "decode") if op == "decode" else ("tiny" if interpret else "standard")
     # Forward problems first: a backward problem's candidates are timed after the stored forward
     # winner of its shape (what training serves with them), where one exists.
     ordered = sorted(op_list, key=lambda op: op != "fwd")
-    shape_list = [s for op in ordered for s in load_shapes(shapes or default_set(op), op)]
+    shape_list = [s for op in ordered for s in load_shapes(shapes or default_shape_set(op, interpret), op)]
     if dtype:
         shape_list = [dataclasses.replace(s, dtype=dtype) for s in shape_list]
     if interpret and any(s.dtype == "bfloat16" for s in shape_list):
@@ -135,13 +136,14 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
 
 @click.command()
 @click.option("--ops", default="fwd", show_default=True, help="Comma-separated ops to tune: fwd, bwd, decode (flash_attn_with_kvcache; default shapes: decode).")
-@click.option("--shapes", default=None, help="Shape set: standard (default), gqa, long, train (backward grid), llama (the problem of `bench --llama`), sweep_d64, sweep_d256, tiny (default with --interpret), or a TOML file.")
+@click.option("--shapes", default=None, help=shapes_help("Problems to tune"))
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Override the shape set's dtype.")
 @click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Time budget for the whole run, in minutes (default: none).")
 @click.option("--trials", type=click.IntRange(min=1), default=40, show_default=True, help="Measured candidates of own kernels per problem (torch SDPA backends are measured beside them, on a GPU).")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None,
-              help="Results DB (default: $AUTOFLASH_DB or ~/.cache/autoflash/autoflash.db).")
+              help="Results DB (default: $AUTOFLASH_DB, else ~/.cache/autoflash/autoflash.db; with --interpret "
+                   "~/.cache/autoflash/interpret.db).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Measuring processes, one per GPU, all on the same Optuna studies (default: one per visible "
                    "GPU; 1 with --interpret).")
@@ -199,8 +201,13 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
                   f"(torch {device.torch_version}, triton {device.triton_version}) -> {store.path}"
                   + (f" with {n} workers" if n > 1 else "") + f"; studies: {describe(storage, store.path)}")
     if interpret:
-        console.print("[yellow]interpreter mode: kernels run on the CPU; correctness is real, timings are not "
-                      "GPU performance. A CUDA GPU is needed for real tuning.[/]")
+        from autoflash.store import default_db_path
+
+        own = default_db_path(interpret=True)
+        apart = store.path == own != default_db_path(interpret=False)  # (not when --db or $AUTOFLASH_DB chose)
+        console.print(f"[yellow]interpreter mode: kernels run on the CPU; correctness is real, timings are not "
+                      f"GPU performance. Real tuning needs a CUDA GPU (`autoflash tune` there). Results go to "
+                      f"{store.path}{OWN_DB_NOTE if apart else ''}.[/]")
     command = " ".join(["autoflash", *sys.argv[1:]])
     try:
         with sigterm_interrupts():  # a scheduler's SIGTERM stops the run like Ctrl-C: work stored, DB one file
@@ -263,8 +270,10 @@ def _tune_many(workers_mod, shape_list, store, options, n, gpus, command):
 def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
     """Replay the tuner's Optuna sampler against an exhaustive sweep's recorded timings.
 
-    Reports how many trials the search needs to come within --tolerance of the exhaustive best
-    (per seed), next to random search on the same table. No GPU needed: the objective is the
+    Reports how many trials the search needs to come within --tolerance of the best recorded
+    variant (per seed), next to random search on the same table. That is the exhaustive best only
+    when the DB holds every valid variant (a sweep): the table says how many it holds, and a DB
+    with fewer is said to be no sweep. No GPU needed: the objective is the
     recorded measurement of each variant.
 
     Example: autoflash search-quality --db docs/results/2026-11-30-h200-sweep-d64.db
@@ -283,9 +292,11 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
         except (ValueError, KeyError, IndexError) as e:
             raise click.BadParameter(f"not a problem key: {one_line(e)}", param_hint="'--problem'") from None
     keys = [problem_key] if problem_key else trial_problem_keys(store)
-    t = Table(title=f"search quality: trials to come within {tolerance:.0%} of the exhaustive best")
-    for col in ("problem", "variants", "within tol.", "default/best", "TPE per seed", "TPE median", "random median"):
+    t = Table(title=f"search quality: trials to come within {tolerance:.0%} of the best recorded variant")
+    for col in ("problem", "recorded / valid", "within tol.", "default/best", "TPE per seed", "TPE median",
+                "random median"):
         t.add_column(col)
+    partial = []
     for key in keys:
         gpu, table = measured_timings(store, key)
         if gpu is None:
@@ -297,8 +308,15 @@ def search_quality_cmd(db_path, problem_key, seeds, trials, tolerance):
             console.print(f"[yellow]{one_line(e)}[/]")
             continue
         found = [x for x in q["tpe"] if x is not None]
-        t.add_row(key, str(q["space"]), str(q["within_tolerance"]),
+        if q["space"] < q["valid"]:
+            partial.append(f"{key}: {q['space']} of {q['valid']}")
+        t.add_row(key, f"{q['space']} / {q['valid']}", str(q["within_tolerance"]),
                   f"{q['default_ms'] / q['best_ms']:.3f}" if q["default_ms"] else "-",
                   ", ".join(str(x) if x else "not found" for x in q["tpe"]),
                   f"{statistics.median(found):.0f}" if found else "-", f"{q['random_median']:.0f}")
     console.print(t)
+    if partial:
+        console.print(f"[yellow]not an exhaustive sweep: {len(partial)} problem(s) hold fewer variants than the space "
+                      f"has valid ({'; '.join(partial[:3])}{'; ...' if len(partial) > 3 else ''}), so their best is the "
+                      "best recorded, not the best there is, and the replay can only rank those. For a sweep: "
+                      "autoflash tune --trials 100000 --db SWEEP.db (on the GPU), then this command on SWEEP.db.[/]")

@@ -97,6 +97,9 @@ def search_quality(table: dict, problem: Problem, device: GPUFingerprint, seeds:
         order = keys[:]
         random.Random(seed).shuffle(order)
         rnd.append(trials_to_reach([table[k] for k in order], best, tolerance))
-    return {"space": len(table), "best_ms": best, "default_ms": table.get(default.json()),
+    # How much of the space the table covers: its best is the exhaustive best only when it has every
+    # variant valid for the problem on the sweep's GPU.
+    valid = len(load_space(problem.op).valid_variants(problem, device))
+    return {"space": len(table), "valid": valid, "best_ms": best, "default_ms": table.get(default.json()),
             "within_tolerance": sum(ms <= best * (1 + tolerance) for ms in table.values()),
             "tpe": tpe, "random_median": statistics.median(rnd)}

@@ -136,14 +136,15 @@ class Tuner:
         done.update({f"{family}:{k}": r for k, r in mine.items()})
         budget = min(trials, len(valid))
         study, queue_ = self._open_search(problem, thash, first, valid, trials, budget)
-        measured = sum(1 for r in mine.values() if r["status"] != "pruned")
+        # Variants measured or taken: each counts once against the budget, however often it is heard of.
+        counted = {key for key, r in mine.items() if r["status"] != "pruned"}
         failed = 0
         best = min((r["median_ms"] for r in done.values() if r["status"] == "ok" and r["median_ms"]), default=math.inf)
         batch_size = self.compilers and self.opt.compile_workers or 1
 
         def time_left() -> bool:
             # (the first candidate is measured even past the deadline: every problem gets a winner)
-            return deadline is None or measured == 0 or self.clock() < deadline
+            return deadline is None or not counted or self.clock() < deadline
 
         def next_batch(n: int, stale: int = 0):
             """Ask for up to n new candidates and start compiling them (in the background)."""
@@ -163,25 +164,28 @@ class Tuner:
                 stale += 1
             return None
 
-        pending = next_batch(min(batch_size, budget - measured))
+        pending = next_batch(min(batch_size, budget - len(counted)))
         while pending is not None:
             batch, compiling = pending
             compiled = compiling.result()
             # Compile the next batch on the CPU cores while this one is measured on the GPU.
-            pending = next_batch(min(batch_size, budget - measured - len(batch)))
+            pending = next_batch(min(batch_size, budget - len(counted) - len(batch)))
             for (trial, variant), c in zip(batch, compiled):
                 if not time_left():
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)  # out of time: not measured
                     continue
                 row, outcome = self._measure(variant, c, shape, thash)
-                if row is None:  # a concurrent tuner on this DB measured (or is measuring) it: share,
-                    # and remember it as taken so that the sampler is not asked for it again
-                    mine[variant.json()] = {"variant": variant.json(), "status": "claimed", "median_ms": None}
-                    measured += 1
-                    _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
+                key = variant.json()
+                counted.add(key)
+                if row is None:  # in this DB already: a concurrent tuner's claim or measurement (shared, and
+                    # never asked for again), or a killed run's that its study queued again: answered from the DB
+                    known = mine.setdefault(key, {"variant": key, "status": "claimed", "median_ms": None})
+                    if known["status"] == "ok" and known["median_ms"]:
+                        _tell(study, trial, known["median_ms"])
+                    else:
+                        _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
                     continue
-                mine[variant.json()] = done[f"{family}:{variant.json()}"] = row
-                measured += 1
+                mine[key] = done[f"{family}:{key}"] = row
                 self.total_measured += 1
                 if outcome.status == "ok" and math.isfinite(outcome.ms):
                     _tell(study, trial, outcome.ms)
@@ -189,8 +193,8 @@ class Tuner:
                 else:
                     failed += outcome.status in FAILED_STATUSES
                     _tell(study, trial, state=optuna.trial.TrialState.FAIL)
-                self.reporter.trial_done(measured, budget, variant, outcome, tflops(shape, best))
-        return measured, failed
+                self.reporter.trial_done(len(counted), budget, variant, outcome, tflops(shape, best))
+        return len(counted), failed
 
     def _open_search(self, problem, thash: str, first: Variant, valid: list, trials: int, budget: int):
         """(Optuna study, None), or (None, candidate queue) when the whole space fits the budget."""
@@ -380,12 +384,8 @@ class Tuner:
 
 def _tell(study, trial, value=None, state=None) -> None:
     """study.tell, or nothing for a brute-force run (which has no study)."""
-    if study is None:
-        return
-    if state is None:
-        study.tell(trial, value)
-    else:
-        study.tell(trial, state=state)
+    if study is not None:
+        study.tell(trial, value, state=state)
 
 
 def make_sampler(seed: int, trials: int) -> optuna.samplers.BaseSampler:

@@ -1,0 +1,143 @@
+"""Rendering: a variant -> its device source (the family's Jinja template and shared parts), the
+hash that keys stored winners (template, includes, host module), and the kernel cache file's
+readable name. `codegen` loads what is rendered here."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+
+import jinja2
+
+from autoflash import families, resources
+from autoflash.kernel_cache import kernel_cache_dir
+from autoflash.space import Variant, load_space
+
+
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        # "<family>/kernel.py.jinja", a family's other parts and the shared includes "_shared/<part>.jinja"
+        loader=jinja2.FileSystemLoader(str(resources.data_dir("families"))),
+        undefined=jinja2.StrictUndefined,  # a knob the template reads but the variant lacks: error
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def template_source(family: str) -> str:
+    """What a family's hash covers: its template, the shared includes and its host module."""
+    from autoflash.space import FAMILIES, family_name
+
+    family = family_name(family)
+    space = load_space(family)
+    if space.vendor:  # nothing rendered: the space file is what a stored result depends on
+        return resources.read_text(*FAMILIES[family])
+    return families.hashed_source(family)
+
+
+def _template_name(family: str) -> str:
+    return f"{family}/{load_space(family).template}"
+
+
+@functools.lru_cache(maxsize=None)
+def template_hash(family: str) -> str:
+    """Part of every stored result's key: a changed template (or include) never serves stale winners.
+    family: a family name, or an op name for its default family."""
+    return _source_hash(template_source(family))
+
+
+def family_for_hash(op: str, thash: str, earlier: bool = False) -> str | None:
+    """Which current family of `op` a stored template hash belongs to (None: an older template).
+    earlier: also a vendor family's earlier space file it `replaces` (rows that need the `[legacy]`
+    values of the knobs added since)."""
+    from autoflash.space import families_for
+
+    return next((f for f in families_for(op) if template_hash(f) == thash
+                 or (earlier and thash in replaced_hashes(f))), None)
+
+
+def replaced_hashes(family: str) -> tuple[str, ...]:
+    """Earlier hashes whose stored winners `family` serves today: a vendor family's earlier space
+    files (`replaces` in its space), an own family's templates its `replaces.toml` records show to
+    render the same kernels."""
+    space = load_space(family)
+    if space.vendor:
+        return space.replaces
+    return families.replaced_hashes(space.family, template_hash(family))
+
+
+def _source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+class TemplateError(ValueError):
+    """A template file (`bench --baseline-template`) that does not render to a kernel module: the
+    message names the file and the line."""
+
+
+def check_template(template_file: str | os.PathLike) -> jinja2.Template:
+    """The parsed template of a user's file; TemplateError names the file and line of a Jinja error."""
+    try:
+        return _environment().from_string(pathlib.Path(template_file).read_text(encoding="utf-8"))
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(f"{template_file}, line {e.lineno}: not a valid template: {e.message}") from None
+    except UnicodeDecodeError as e:
+        raise TemplateError(f"{template_file}: not a text file ({e.reason} at byte {e.start})") from None
+
+
+def render(variant: Variant, template_file: str | os.PathLike | None = None) -> str:
+    """The Triton source of one variant. Only declared knob values ever reach the template.
+    template_file: render from this template instead of the package's (knobs it does not read are
+    ignored; a knob it reads that the variant lacks is an error)."""
+    checked = load_space(variant.family).check_declared(variant.as_dict())
+    if template_file is None:
+        template = _environment().get_template(_template_name(variant.family))
+        # (FAMILY and KNOBS_JSON: the header of the rendered module says which variant it is)
+        return template.render(**checked.as_dict(), FAMILY=checked.family, KNOBS_JSON=checked.json())
+    try:
+        return check_template(template_file).render(**checked.as_dict(), FAMILY=checked.family,
+                                                    KNOBS_JSON=checked.json())
+    except jinja2.TemplateError as e:  # (StrictUndefined: a knob the variant lacks, a bad filter, ...)
+        line = next((f", line {tb.tb_lineno}" for tb in _frames(e.__traceback__)
+                     if tb.tb_frame.f_code.co_filename == "<template>"), "")
+        raise TemplateError(f"{template_file}{line}: cannot render {variant.short()}: {e}") from None
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def variant_hash(variant: Variant, template_file: str | os.PathLike | None = None) -> str:
+    thash = template_hash(variant.family) if template_file is None else _source_hash(
+        pathlib.Path(template_file).read_text(encoding="utf-8"))
+    return hashlib.sha256(f"{thash}:{variant.json()}".encode()).hexdigest()[:20]
+
+
+def source_path(variant: Variant, template_file: str | os.PathLike | None = None) -> pathlib.Path:
+    """<family>-<op>-<knob values>-<hash>.py: what a traceback or a profile shows says which kernel."""
+    return kernel_cache_dir() / f"{variant.family}-{variant.op}-{readable_knobs(variant)}-" \
+                                f"{variant_hash(variant, template_file)[:12]}.py"
+
+
+# Short names of the common knobs in kernel file names (the others: their value, a true flag its name).
+_KNOB_TAGS = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_M1": "bm1", "BLOCK_N1": "bn1", "BLOCK_M2": "bm2",
+              "BLOCK_N2": "bn2", "num_warps": "w", "num_stages": "s", "NUM_STAGES": "s"}
+
+
+def readable_knobs(variant: Variant) -> str:
+    """e.g. 'bm128-bn64-w8-s3-m_major-ascending-tma-split' (declared values only: safe in a file name)."""
+    parts = []
+    for knob, value in variant.items:
+        if knob in _KNOB_TAGS:
+            parts.append(f"{_KNOB_TAGS[knob]}{value}")
+        elif value is True:
+            parts.append(knob.lower())
+        elif value is not False:
+            parts.append(str(value).lower())
+    return "-".join(p.replace("/", "_").replace(" ", "_") for p in parts)[:150]

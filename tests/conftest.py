@@ -57,6 +57,12 @@ def _isolated_caches(tmp_path_factory):
 
 
 @pytest.fixture
+def strict(monkeypatch):
+    """AUTOFLASH_STRICT=1: every fallback is an error."""
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+
+
+@pytest.fixture
 def own_kernels(monkeypatch):
     """The own kernels serve wherever they take a call (the serving policy's SDPA-cuDNN default off):
     for GPU tests of the own kernels' paths through the public API."""

@@ -19,11 +19,6 @@ def rand(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-@pytest.fixture
-def strict(monkeypatch):
-    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
-
-
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     api.reset()

@@ -92,11 +92,6 @@ def rand(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture
-def strict(monkeypatch):
-    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
-
-
 @pytest.fixture(autouse=True)
 def _fresh():
     api.reset()

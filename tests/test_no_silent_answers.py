@@ -28,11 +28,6 @@ def _fresh():
     api.reset()
 
 
-@pytest.fixture
-def strict(monkeypatch):
-    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
-
-
 def rand(*shape, seed, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 

@@ -117,6 +117,9 @@ def eager_attention(q, k, v, *, scale: float, causal: bool = False, offset=0, wi
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
     q = q.to(dtype)
+    if n_q == 0 or k.shape[2] == 0:  # no query or no key: out 0, lse +inf (flash-attn's empty rows)
+        out = q.new_zeros((*q.shape[:3], v.shape[-1])) + 0 * q.sum() + 0 * v.sum()  # (still in the graph)
+        return out.to(in_dtype), torch.full(q.shape[:3], float("inf"), device=device)
     rows = max(1, SCORE_BLOCK_BYTES // max(1, batch * heads * k.shape[2] * 4))
     outs, lses = [], []
     grad = torch.is_grad_enabled() and any(

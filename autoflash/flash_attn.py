@@ -171,4 +171,4 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
     fall_back(reason)
     if return_lse:
         return eager_attention(q, k, v, scale=sm_scale, causal=causal, offset=offset, dropout_p=dropout_p)
-    return sdpa_attention(q, k, v, None, dropout_p, causal, offset, scale), None
+    return sdpa_attention(q, k, v, None, dropout_p, causal, offset, sm_scale), None

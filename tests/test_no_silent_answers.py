@@ -273,3 +273,36 @@ def test_every_keyword_transformers_models_pass_is_known():
     model_specific = {"indices", "block_indices", "query", "key", "value"}
     assert passed - served - HARMLESS - model_specific == set()
     assert {"softcap", "sliding_window", "s_aux", "scaling", "dropout", "is_causal"} <= served
+
+
+def test_an_empty_static_cache_prefill_never_sees_the_empty_slots():
+    """transformers skips the mask for a prefill into an empty static cache (keys past the queries are
+    empty slots): causality is top-left there, on every path (kernels, softcap, sinks)."""
+    q, k, v = _qkv()
+    k_cache = torch.cat([k, torch.zeros(2, 2, 7, 16)], dim=2)  # 9 real tokens, 7 empty slots
+    v_cache = torch.cat([v, torch.zeros(2, 2, 7, 16)], dim=2)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for ours, theirs in ((dict(), dict()), (dict(softcap=2.0), dict(softcap=2.0)), (dict(s_aux=sinks), dict(sinks=sinks))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            out, _ = attention_forward(Layer(), q, k_cache, v_cache, None, **ours)
+        assert (out.double() - transformers_eager(q, k, v, **theirs)).abs().max().item() < 2e-5
+
+
+def test_packing_offsets_that_do_not_fit_the_batch_are_refused():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        attention_forward(Layer(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 4, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        attention_forward(Layer(), q[:1], k[:1], v[:1], None, cu_seq_lens_q=torch.tensor([0, 4, 7], dtype=torch.int32))
+
+
+def test_empty_sequences_in_the_torch_path_give_zeros_and_infinite_lse():
+    q, k = rand(1, 0, 2, 16, seed=1), rand(1, 5, 2, 16, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        out = autoflash.flash_attn_func(q, k, k, softcap=5.0)
+        assert out.shape == (1, 0, 2, 16)
+        q2 = rand(1, 3, 2, 16, seed=3)
+        out, lse, _ = autoflash.flash_attn_func(q2, k[:, :0], k[:, :0], softcap=5.0, return_attn_probs=True)
+    assert out.abs().max().item() == 0 and torch.isinf(lse).all()

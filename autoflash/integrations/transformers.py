@@ -10,8 +10,9 @@ returns the name to pass as `attn_implementation`. The name deliberately does no
 own flash-attention / hub loader, which fails for a registered function.
 
 The mask function is transformers' SDPA mask: it returns None for a plain causal (or full) batch,
-and then the kernels run causal attention themselves (aligned bottom-right, so a query chunk
-attending to a longer cache is right too); with padding (or a sliding window that binds) it returns
+and then the kernels run causal attention themselves (a prefill into an empty static cache, the one
+unmasked call with more keys than queries, has its empty slots cut off first, as transformers' own
+SDPA path does); with padding (or a sliding window that binds) it returns
 a boolean mask, and that call goes to torch through autoflash's fallback (one warning; an error
 under AUTOFLASH_STRICT=1). Causality is never dropped.
 
@@ -60,6 +61,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(is_causal) and query.shape[2] > 1  # a single decoding query sees the whole cache
     deterministic = bool(deterministic) and needs_autograd(query, key, value, sinks, position_bias)
+    if causal and attention_mask is None and key.shape[2] > query.shape[2]:
+        # Only a prefill into an empty static cache comes here (transformers builds a mask whenever real
+        # context precedes the queries): causality is top-left there, the slots past the queries are
+        # empty. As transformers' own SDPA path does: those keys are cut off.
+        n = query.shape[2]
+        key, value = key[:, :, :n], value[:, :, :n]
+        position_bias = None if position_bias is None else position_bias[..., :n]
     window = (-1, -1)
     if sliding_window is not None and attention_mask is None:  # (a mask holds the window when it binds)
         window = (sliding_window - 1, -1 if causal else sliding_window - 1)
@@ -95,10 +103,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
 
 def _documents(query, attention_mask, cu_q, cu_k):
     """(cu_seqlens_q, cu_seqlens_k) int32 of a packed batch (one row of several documents) that no
-    mask describes, else None (a mask holds the packing when transformers builds one)."""
-    if attention_mask is not None or cu_q is None or query.shape[0] != 1:
+    mask describes, else None (a mask holds the packing when transformers builds one). Offsets that
+    cannot describe this batch are refused by name, never ignored."""
+    if attention_mask is not None or (cu_q is None and cu_k is None):
         return None
+    cu_q = cu_k if cu_q is None else cu_q
     cu_k = cu_q if cu_k is None else cu_k
+    n_q = query.shape[2]
+    if query.shape[0] != 1 or int(cu_q[-1]) != n_q or int(cu_k[0]) != 0 or int(cu_q[0]) != 0:
+        raise ValueError(f"cu_seq_lens_q/k {cu_q.tolist()} / {cu_k.tolist()} do not describe this batch "
+                         f"(batch {query.shape[0]}, {n_q} tokens): packed documents need batch 1 and offsets "
+                         "from 0 to the row's length")
     if cu_q.numel() <= 2 and cu_k.numel() <= 2:  # one document: plain attention
         return None
     return cu_q.to(torch.int32), cu_k.to(torch.int32)

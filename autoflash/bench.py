@@ -64,6 +64,21 @@ def _variant_fn(variant: Variant, shape: Shape, q, k, v, template_file=None) -> 
     return launch_callable(kernel, shape, q, k, v, causal_offset_for(shape, "top_left"))
 
 
+def kernel_choosers(disp, device, op: str) -> dict[str, Callable[[Shape], Variant]]:
+    """The variants `autoflash bench` times per shape: dispatched (a vendor kernel where one won), own
+    kernels only, the built-in default."""
+    from autoflash.space import default_variant
+
+    return {"autoflash": lambda s: disp.variant_for(s.problem, device),
+            "autoflash-own": lambda s: disp.variant_for(s.problem, device, own_only=True),
+            "default": lambda s: default_variant(op, s.problem, device)}
+
+
+def served_pair_halves(disp, device) -> Callable[[Shape], tuple[Variant, Variant]]:
+    """The own forward and backward a backward problem's training pair is timed with."""
+    return lambda s: tuple(served_own_half(disp, s, device, half) for half in ("fwd", "bwd"))
+
+
 def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant]], rounds: int = 3,
               rep_ms: float = 50, sdpa: tuple = SDPA_BACKENDS, progress: Callable[[str], None] | None = None,
               device: str = "cuda", templates: dict[str, str] | None = None,
@@ -89,6 +104,8 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
                 fns[f"sdpa_{backend}"] = fn
         for fn in fns.values():
             fn()  # first call: kernel load (and, in the interpreter, its one-time set-up)
+        if rounds == 0:  # (compiling ahead: `bench_warm`)
+            continue
         samples = {name: [] for name in fns}
         for r in range(rounds):
             for name, ms in timed_round(fns, q.device, rep_ms, r).items():
@@ -160,7 +177,9 @@ def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "autoflash-own", "sdpa
             progress(shape.label())
         q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=7))
         grad = torch.randn_like(q)
-        fns = {m: _fwdbwd_fn(m, shape, q, k, v, grad) for m in methods}
+        fns = {m: _fwdbwd_fn(m, shape, q, k, v, grad) for m in methods}  # (each called once)
+        if rounds == 0:  # (compiling ahead: `bench_warm`)
+            continue
         if memory:
             for m, fn in fns.items():
                 if fn is None:

@@ -4,7 +4,7 @@ The sequences of a batch are packed one after another in (total_tokens, H, D) te
 cu_seqlens giving their offsets: no padding. One launch of the forward kernel (and of each backward
 kernel) covers every sequence: its grid spans the longest sequence, each program reads its
 sequence's bounds from cu_seqlens and exits when its tile starts past that sequence's end
-(templates/attn_fwd.py.jinja and attn_bwd.py.jinja, `VARLEN`). The kernel is the winner of the
+(the triton_fwd and triton_bwd families, `VARLEN`). The kernel is the winner of the
 dense problem of the longest sequence (its own family, else the default one: `Dispatcher.varlen_kernel_for`).
 
 Calls the kernels do not take (a dtype, device or head dim they do not support, a non-positive

@@ -88,6 +88,18 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, j
     _save(bench_mod, rows, methods, title, md_path, plot_path, json_path=json_path, metric="fwdbwd_tflops")
 
 
+def _compile_ahead(shape_list, mode, jobs):
+    from autoflash.bench_warm import compile_ahead, default_jobs
+
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs > 1 and len(shape_list) > 1:
+        with console.status(f"compiling the kernels of {len(shape_list)} shapes ahead in {jobs} processes"):
+            failed = compile_ahead(shape_list, mode, jobs)
+        if failed:
+            console.print(f"[yellow]{failed} of the compile-ahead processes failed: their kernels compile "
+                          f"while timing instead[/yellow]")
+
+
 def _say_served(bench_mod, rows, shape_list, device, op):
     """Each row's dispatched implementation, for its table column (rows and shapes in one order)."""
     from autoflash.dispatch import get_dispatcher
@@ -138,14 +150,9 @@ def _decode(device, rounds, interpret, md_path, json_path):
 
 def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path, json_path):
     from autoflash.dispatch import get_dispatcher
-    from autoflash.space import default_variant
 
     disp = get_dispatcher()
-    choosers = {  # dispatched (a vendor kernel where one won), own kernels only, built-in default
-        "autoflash": lambda s: disp.variant_for(s.problem, device),
-        "autoflash-own": lambda s: disp.variant_for(s.problem, device, own_only=True),
-        "default": lambda s: default_variant(op, s.problem, device),
-    }
+    choosers = bench_mod.kernel_choosers(disp, device, op)
     templates = None
     if baseline_template:  # the dispatched variant again, rendered from the other template
         choosers["baseline"] = choosers["autoflash"]
@@ -153,8 +160,7 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
     with console.status("benchmarking") as status:
         rows = bench_mod.run_bench(shape_list, choosers, rounds=rounds, device="cpu" if interpret else "cuda",
                                    progress=lambda label: status.update(f"benchmarking {label}"), templates=templates,
-                                   pair_halves=lambda s: tuple(bench_mod.served_own_half(disp, s, device, half)
-                                                               for half in ("fwd", "bwd")))
+                                   pair_halves=bench_mod.served_pair_halves(disp, device))
     _say_served(bench_mod, rows, shape_list, device, op)
     methods = list(choosers) + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
     base = "baseline" if baseline_template else "default" if interpret else "sdpa_cudnn"
@@ -208,17 +214,20 @@ def _check_template(ctx, param, value):
               help="Also time each shape's variant rendered from this template file (e.g. the previous "
                    "version of the op's template), as method 'baseline': an A/B of a template edit. A knob "
                    "value that template does not know renders as that template treats it.")
+@click.option("--compile-jobs", type=click.IntRange(min=0), default=None,
+              help="Processes that compile the kernels ahead of the timings (0 or 1: none; default: half "
+                   "the CPUs, at most 8). Timings are the same either way; a large shape set starts sooner.")
 @click.option("--interpret", is_flag=True,
               help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
 def bench(shapes, seed, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhead, llama, generate, op,
-          baseline_template, interpret):
+          baseline_template, compile_jobs, interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of device-time medians.
 
     Example: autoflash bench --shapes standard --plot bench.png --json bench.json
     Example: autoflash bench --shapes random:64 --seed 1 --fwdbwd --json random.json
-    Example: git show HEAD~1:templates/attn_fwd.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja
+    Example: git show HEAD~1:autoflash/families/triton_fwd/kernel.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja
     """
     if interpret:
         use_interpreter()
@@ -242,8 +251,11 @@ def bench(shapes, seed, rounds, plot_path, md_path, json_path, fwdbwd, memory, o
     elif op == "decode":
         _decode(device, rounds, interpret, md_path, json_path)
     elif fwdbwd:
+        _compile_ahead(load_shapes(shapes, op), "fwdbwd", compile_jobs)
         _fwdbwd(bench_mod, device, load_shapes(shapes, op), rounds, memory, md_path, plot_path, json_path)
     else:
+        if not (interpret or baseline_template):
+            _compile_ahead(load_shapes(shapes, op), op, compile_jobs)
         _kernels(bench_mod, device, load_shapes(shapes, op), op, rounds, baseline_template, interpret, md_path,
                  plot_path, json_path)
     _say_rejected(device)

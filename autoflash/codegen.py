@@ -33,7 +33,7 @@ import triton
 
 from autoflash import families, replay
 from autoflash.kernel_cache import _cached_source_file, kernel_cache_dir  # noqa: F401 (part of the module's face)
-from autoflash.rendering import (TemplateError, check_template, family_for_hash, readable_knobs,  # noqa: F401
+from autoflash.rendering import (TemplateError, check_template, family_for_hash, name_kernels, readable_knobs,  # noqa: F401
                                  render, replaced_hashes, source_path, template_hash, template_source, variant_hash)
 from autoflash.space import Variant, load_space
 
@@ -86,6 +86,7 @@ def load(variant: Variant, template_file: str | os.PathLike | None = None) -> "K
                 raise
             raise TemplateError(f"{template_file}: renders no valid Python for {variant.short()}: {path}, line "
                                 f"{e.lineno}: {e.msg}") from None
+        name_kernels(module, variant)
         kernel = _modules[key] = Kernel(variant, module)
         return kernel
 

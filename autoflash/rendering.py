@@ -8,6 +8,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import re
 
 import jinja2
 
@@ -126,8 +127,8 @@ def source_path(variant: Variant, template_file: str | os.PathLike | None = None
 
 
 # Short names of the common knobs in kernel file names (the others: their value, a true flag its name).
-_KNOB_TAGS = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_M1": "bm1", "BLOCK_N1": "bn1", "BLOCK_M2": "bm2",
-              "BLOCK_N2": "bn2", "num_warps": "w", "num_stages": "s", "NUM_STAGES": "s"}
+_KNOB_TAGS = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_M1": "bm1_", "BLOCK_N1": "bn1_", "BLOCK_M2": "bm2_",
+              "BLOCK_N2": "bn2_", "num_warps": "w", "num_stages": "s", "NUM_STAGES": "s"}
 
 
 def readable_knobs(variant: Variant) -> str:
@@ -141,3 +142,26 @@ def readable_knobs(variant: Variant) -> str:
         elif value is not False:
             parts.append(str(value).lower())
     return "-".join(p.replace("/", "_").replace(" ", "_") for p in parts)[:150]
+
+
+def name_kernels(module, variant: Variant) -> None:
+    """Give the module's @triton.jit / @gluon.jit kernels readable compiled names: what a profiler
+    (nsys, ncu, torch.profiler) lists is `attn_fwd__triton_fwd_d128_causal_bm128_bn64_w8_s3_...` instead
+    of every variant's `_attn_fwd`. Through Triton's `repr` hook (the `repr=` argument of `triton.jit`),
+    set here so that the templates (and their hashes) stay as they are; the name is not part of
+    Triton's cache key, so a kernel compiled before keeps the name it was compiled with."""
+    knobs = readable_knobs(variant)
+    for attr, fn in list(vars(module).items()):
+        if getattr(fn, "_repr", False) is None and callable(getattr(fn, "repr", None)):
+            fn._repr = functools.partial(_compiled_name, attr.strip("_"), variant.family, knobs)
+
+
+def _compiled_name(function: str, family: str, knobs: str, specialization) -> str:
+    """`<function>__<family>_d<head dim>[_causal]_<knobs>`, a legal identifier (Triton checks it)."""
+    try:
+        constants = dict(getattr(specialization, "constants", None) or {})
+    except (TypeError, ValueError):
+        constants = {}
+    head_dim = next((constants[k] for k in ("HEAD_DIM", "BLOCK_D") if k in constants), None)
+    shape = (f"_d{head_dim}" if isinstance(head_dim, int) else "") + ("_causal" if constants.get("IS_CAUSAL") is True else "")
+    return re.sub(r"\W", "_", f"{function}__{family}{shape}_{knobs}")[:200]

@@ -5,6 +5,8 @@ causal (both alignments), Nq != Nk shapes."""
 import math
 import random
 
+import re
+
 import pytest
 import torch
 
@@ -158,7 +160,11 @@ def test_backward_kernels_compile_for_sm90(name, tmp_path):
     done = run_in_clean_process(code, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     head_dim, knobs = SM90_VARIANTS[name]
-    kernels = dict(line.split(maxsplit=1) for line in done.stdout.splitlines())
+    lines = [line.split() for line in done.stdout.splitlines()]
+    kernels = {name: flag for name, flag, _ in lines}
+    for name, _, compiled_name in lines:  # what a profiler lists: the family, head dim, causality, knobs
+        causal = "_causal" if name in ("_bwd_dkdv", "_bwd_dq") else ""  # (the others have no mask)
+        assert compiled_name.startswith(f"{name.strip('_')}__triton_bwd_d{head_dim}{causal}_bm1_"), compiled_name
     assert list(kernels)[0] == "_bwd_preprocess" and "_bwd_dkdv" in kernels
     assert ("_bwd_gqa_reduce" in kernels) == (knobs["GQA_SPLIT"] > 1)
     dq_mode = knobs.get("DQ_MODE", "separate")  # (the d256 default's)
@@ -190,4 +196,5 @@ def compile_backward_for_sm90(name: str) -> None:
                        dv=k.clone(), sm_scale=0.1, causal=True, causal_offset=0, compile_only=True)
     for jit, args, kwargs in launches:
         ptx = compile_for_sm90(jit, args, kwargs)
-        print(jit.fn.__name__, "bulk-reduce" if "cp.reduce.async.bulk.tensor" in ptx else "-")
+        entry = re.search(r"\.entry (\w+)", ptx).group(1)
+        print(jit.fn.__name__, "bulk-reduce" if "cp.reduce.async.bulk.tensor" in ptx else "-", entry)

@@ -148,3 +148,9 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = Fa
 
 def needs_autograd(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def deterministic_backward(requested: bool = False) -> bool:
+    """Whether a differentiable call's backward must be bitwise repeatable: asked for (flash-attn's
+    `deterministic=True`) or required by torch (`torch.use_deterministic_algorithms(True)`)."""
+    return bool(requested) or torch.are_deterministic_algorithms_enabled()

@@ -192,8 +192,8 @@ class Dispatcher:
         device = gpu_fingerprint(device_index)
         work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
         key = ("varlen", op, causal, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[3], work,
-               *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
-               deterministic)
+               *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q),
+               seqlen_bucket(max_seqlen_k), deterministic)
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:

@@ -37,7 +37,8 @@ def attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
              lse: torch.Tensor, scale: float, causal: bool,
              causal_offset: int, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kernel = get_dispatcher().kernel_for(q, k, v, grad_out, causal, op="bwd", own_only=True, deterministic=deterministic)
+    kernel = get_dispatcher().kernel_for(q, k, v, grad_out, causal, op="bwd", own_only=True,
+                                         deterministic=deterministic)
     kernel.backward(q, k, v, out, lse, grad_out, dq, dk, dv, scale, causal, causal_offset)
     return dq, dk, dv
 

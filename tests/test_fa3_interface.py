@@ -308,7 +308,8 @@ def test_kvcache_fa3_form_is_the_fa2_one_with_fa3s_names():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fa3_forms_on_the_gpu(dtype, own_kernels):
-    q, k, v = (rand(2, n, h, 128, seed=s).to("cuda", dtype) for s, n, h in ((100, 300, 8), (101, 517, 2), (102, 517, 2)))
+    q, k, v = (rand(2, n, h, 128, seed=s).to("cuda", dtype)
+               for s, n, h in ((100, 300, 8), (101, 517, 2), (102, 517, 2)))
     out, lse = fa3.flash_attn_func(q, k, v, None, True, return_attn_probs=True)
     ref, ref_lse = reference(q.cpu(), k.cpu(), v.cpu(), 128 ** -0.5, True)
     assert (out.cpu().double() - ref).abs().max() < 2e-2 and close(lse.cpu(), ref_lse, 1e-3)

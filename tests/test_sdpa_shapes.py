@@ -117,6 +117,12 @@ def test_numpy_and_tensor_scales_are_read_as_torch_reads_them(scale, strict):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=scale), atol=2e-5, rtol=2e-4)
 
 
+def test_the_flash_attn_forms_take_numpy_numbers_too(strict):
+    q = rand(1, 9, 2, 16, seed=16)
+    want = autoflash.flash_attn_func(q, q, q, 0.0, float(np.float32(0.3)), True)
+    assert torch.equal(autoflash.flash_attn_func(q, q, q, np.float32(0.0), np.float32(0.3), True), want)
+
+
 @pytest.mark.parametrize("q_shape, k_shape, gqa", [
     ((2, 4, 9, 16), (2, 2, 11, 16), False),  # heads that do not broadcast: enable_gqa is missing
     ((2, 4, 9, 16), (2, 3, 11, 16), True),  # 3 does not divide 4

@@ -19,7 +19,7 @@ from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
 from autoflash.reference import torch_sdpa
-from autoflash.sdpa_args import check_sdpa_numbers, check_sdpa_tensors, kernel_views, scale_reason, sdpa_batch
+from autoflash.sdpa_args import check_sdpa_numbers, check_sdpa_tensors, kernel_views, numbers_reason, sdpa_batch
 from autoflash.validate import check_sdpa_kinds, deterministic_backward, needs_autograd, unsupported_reason
 
 
@@ -263,7 +263,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if batch is None:
         reason = "an empty tensor (zero batch, heads, sequence or head dim)"
     else:
-        reason = scale_reason(sm_scale)
+        reason = numbers_reason(p, sm_scale)
     if reason is None:
         q, k, v = kernel_views(query, key, value, batch)
         reason = unsupported_reason(q, k, v, attn_mask, p, sm_scale, training=needs_autograd(q, k, v))

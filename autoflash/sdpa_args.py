@@ -12,7 +12,9 @@ other backends fall back to, is the widest):
   all three are equal); key/value heads are repeated (interleaved) up to the query's, then the batch
   dims broadcast as above.
 - scale and dropout_p go through torch's float argument: a Python bool, int or float, a numpy scalar
-  (a complex one by its real part), or a 0-d tensor that does not require grad; dropout_p in [0, 1].
+  (a complex one by its real part), or a 0-d tensor that does not require grad. dropout_p > 1 is always
+  refused; a negative or NaN one depends on the backend torch picks (the math backend reads it as no
+  dropout, the CPU flash kernel refuses it): autoflash hands such calls to torch as they are.
   is_causal and enable_gqa must be bools (checked in `validate.check_sdpa_kinds`).
 - attn_mask: broadcastable to the scores (*broadcast, L, S), bool or a float type torch names: calls
   with a mask go to torch as they are, so its own checks decide.
@@ -69,17 +71,19 @@ def sdpa_float(value, name: str) -> float:
 
 
 def check_sdpa_numbers(dropout_p, scale) -> tuple[float, float | None]:
-    """(dropout_p, scale) as torch reads them. dropout_p outside [0, 1] (or NaN) is a ValueError, as
-    torch refuses it; any scale torch reads is taken (a NaN, infinite or non-positive one runs in torch)."""
+    """(dropout_p, scale) as torch reads them. dropout_p > 1 is a ValueError, as torch always refuses it;
+    any scale torch reads is taken (a NaN, infinite or non-positive one runs in torch)."""
     p = sdpa_float(dropout_p, "dropout_p")
-    if not 0.0 <= p <= 1.0:
+    if p > 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
     return p, None if scale is None else sdpa_float(scale, "scale")
 
 
-def scale_reason(scale: float | None) -> str | None:
-    """Why the kernels cannot take this softmax scale as torch read it (NaN, infinite): None if they can
-    (the other limits are `validate.unsupported_reason`'s)."""
+def numbers_reason(dropout_p: float, scale: float | None) -> str | None:
+    """Why the kernels cannot take these numbers as torch read them, for the reasons only the SDPA form
+    has (the other limits are `validate.unsupported_reason`'s): None if they can."""
+    if not dropout_p >= 0.0:
+        return f"dropout_p={dropout_p} (torch answers or refuses it depending on its backend)"
     if scale is not None and not math.isfinite(scale):
         return f"a softmax scale that is not a finite number ({scale})"
     return None

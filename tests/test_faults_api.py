@@ -29,10 +29,28 @@ def test_non_floating_inputs_are_a_value_error(dtype):
         autoflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
-@pytest.mark.parametrize("dropout_p", [-0.1, float("nan"), 1.5])
-def test_dropout_outside_zero_one_is_a_value_error(dropout_p):
+@pytest.mark.parametrize("dropout_p", [1.5, float("inf")])
+def test_dropout_above_one_is_a_value_error(dropout_p):
     with pytest.raises(ValueError, match="dropout_p"):
         autoflash.attention(*_qkv(), dropout_p=dropout_p)
+
+
+@pytest.mark.parametrize("dropout_p", [-0.1, float("nan")])
+@pytest.mark.parametrize("heads_kv", [2, 1])
+def test_a_negative_or_nan_dropout_is_torchs_to_answer_or_refuse(dropout_p, heads_kv):
+    """torch's math backend reads it as no dropout (K/V heads broadcast take that backend on the CPU), its
+    CPU flash kernel refuses it: autoflash hands the call to torch as it is."""
+    api.reset()  # (the warning comes once per reason)
+    q, k, v = _qkv()
+    k, v = k[:, :heads_kv], v[:, :heads_kv]
+    try:
+        theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            autoflash.attention(q, k, v, dropout_p=dropout_p)
+        return
+    with pytest.warns(api.FallbackWarning, match="dropout_p"):
+        torch.testing.assert_close(autoflash.attention(q, k, v, dropout_p=dropout_p), theirs)
 
 
 @pytest.mark.parametrize("name, value", [("dropout_p", "0.1"), ("dropout_p", None), ("scale", "0.1"),

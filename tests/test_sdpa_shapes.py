@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import autoflash
 from autoflash import api
@@ -37,6 +38,12 @@ def both(*args, **kwargs):
         theirs = F.scaled_dot_product_attention(*args, **kwargs)
     except Exception:  # noqa: BLE001 (any refusal)
         theirs = None
+    scale = kwargs.get("scale")
+    if theirs is not None and theirs.isnan().any() and scale is not None and not float(scale) > 0:
+        # torch's CPU flash kernel returns NaN for a causal mask with a scale <= 0 where its math backend
+        # answers: autoflash gives the math backend's answer (reference.torch_sdpa)
+        with sdpa_kernel(SDPBackend.MATH):
+            theirs = F.scaled_dot_product_attention(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
         try:
@@ -176,7 +183,8 @@ def calls(draw):
             mask_shape[-1] += 1
         mask = rand(*mask_shape, seed=1) > 0 if draw(st.booleans()) else rand(*mask_shape, seed=2)
     causal = draw(st.booleans())
-    return (q, k, v), dict(attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    dropout = draw(st.sampled_from([0.0] * 6 + [0, np.float32(0.0), -0.5, float("nan"), 0.3, 1.5]))
+    return (q, k, v), dict(attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -185,6 +193,9 @@ def calls(draw):
 def test_random_calls_give_sdpas_answer_or_its_refusal(call):
     args, kwargs = call
     mine, theirs = both(*args, **kwargs)
+    if kwargs["dropout_p"] > 0 and theirs is not None:  # (a random answer: its shape is what compares)
+        assert mine is not None and mine.shape == theirs.shape
+        return
     assert_same(mine, theirs)
 
 

@@ -164,7 +164,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     return result[0], _fa3_lse(result[1]), empty, empty
 
 
-# ----------------------------------------------------------------------------- helpers
+# ----------------------------------------------------------------------------- argument checks and layouts
 def _refuse(where: str, **arguments) -> None:
     """FA3 arguments autoflash does not serve: accepted at None, refused by name otherwise (never ignored)."""
     for name, value in arguments.items():

@@ -19,8 +19,8 @@ from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
 from autoflash.reference import torch_sdpa
-from autoflash.validate import (check_heads, check_numbers, check_sdpa_kinds, check_tensors, needs_autograd,
-                                unsupported_reason)
+from autoflash.sdpa_args import check_sdpa_numbers, check_sdpa_tensors, kernel_views, numbers_reason, sdpa_batch
+from autoflash.validate import check_sdpa_kinds, deterministic_backward, needs_autograd, unsupported_reason
 
 
 
@@ -50,14 +50,15 @@ PLAN_MEMOS = [inference_plans, training_plans, decode_kernels.decode_plans]
 MAX_PLANS = 4096
 
 
-def _signature(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0) -> tuple:
+def _signature(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0,
+               deterministic: bool = False) -> tuple:
     """Everything validation and kernel choice depend on, for a (B, H, N, D) call (views of
     flash_attn_func's tensors included) with no mask and no dropout. Raises AttributeError for
-    non-tensors."""
+    non-tensors. deterministic: a training call's backward must be bitwise repeatable."""
     # Each pointer's 16-byte alignment on its own: Triton specializes every pointer argument on it,
     # and the plan replays the compiled kernel of the first call with this signature.
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, causal, scale, enable_gqa, causal_offset,
+            q.device, k.device, v.device, causal, scale, enable_gqa, causal_offset, deterministic,
             not q.data_ptr() & 15, not k.data_ptr() & 15, not v.data_ptr() & 15)
 
 
@@ -69,7 +70,7 @@ def _memoizable(q, scale) -> bool:
     return getattr(q, "is_cuda", False) or interpreter_enabled()
 
 
-def _repeat_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0):
+def _repeat_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0, deterministic: bool = False):
     """The host fast path: a call whose exact signature was planned before launches its kernels
     directly (no validation, no dispatcher lookup). None when the call is new or being traced by
     torch.compile: the full path handles those."""
@@ -77,11 +78,13 @@ def _repeat_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: 
         return None
     if scale is not None and type(scale) not in (int, float):  # (True == 1: never a planned scale)
         return None
+    training = needs_autograd(q, k, v)
     try:
-        signature = _signature(q, k, v, causal, scale, enable_gqa, causal_offset)
+        signature = _signature(q, k, v, causal, scale, enable_gqa, causal_offset,
+                               training and deterministic_backward(deterministic))
     except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the full path decides
         return None
-    plan = (training_plans if needs_autograd(q, k, v) else inference_plans).get(signature)
+    plan = (training_plans if training else inference_plans).get(signature)
     if plan is None:
         return None
     if not q.is_cuda and not interpreter_enabled():  # planned under the interpreter, which is now off
@@ -89,26 +92,29 @@ def _repeat_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: 
     return plan(q, k, v)
 
 
-def _remember(plans: dict, q, k, v, causal, scale, enable_gqa, causal_offset, plan) -> None:
+def _remember(plans: dict, q, k, v, causal, scale, enable_gqa, causal_offset, plan, deterministic=False) -> None:
     if len(plans) > MAX_PLANS:  # many distinct signatures: stay bounded
         plans.clear()
-    plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset)] = plan
+    plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset, deterministic)] = plan
 
 
-def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
+def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool, deterministic: bool = False):
     """The planned kernel call on (B, H, N, D) views: output in q's memory layout, differentiable
-    when needed. The call stores its plan for `_repeat_call`."""
+    when needed. The call stores its plan for `_repeat_call`. deterministic: as flash-attn's (torch's
+    deterministic-algorithms setting asks for it too)."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     own_only = causal and causal_offset != 0  # a vendor kernel's causal mask is top-left only
+    training = needs_autograd(q, k, v)
+    deterministic = training and deterministic_backward(deterministic)
     if torch.compiler.is_compiling():
         from autoflash import ops  # the registered custom op: autograd and torch.compile see one node
 
-        return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset)[0]
+        return ops.attn_fwd(q, k, v, sm_scale, causal, causal_offset, deterministic)[0]
     memoize = _memoizable(q, scale)
-    if needs_autograd(q, k, v):
-        plan = _training_plan(q, k, v, sm_scale, causal, causal_offset, own_only)
+    if training:
+        plan = _training_plan(q, k, v, sm_scale, causal, causal_offset, own_only, deterministic)
         if memoize:
-            _remember(training_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
+            _remember(training_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan, deterministic)
         return plan(q, k, v)
     if _decode_shaped(q, k, causal, causal_offset):
         def plan(q, k, v):
@@ -136,10 +142,12 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool):
     return out
 
 
-def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, own_only: bool):
+def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, own_only: bool,
+                   deterministic: bool = False):
     """plan(q, k, v) -> differentiable out. The backward problem's winner decides the pair: SDPA's
     whole pair runs through torch autograd; an own pair, or one half SDPA's and the other autoflash's,
-    runs through `EagerAttention`."""
+    runs through `EagerAttention`. deterministic: the own pair, with a backward variant whose gradients
+    are bitwise repeatable (no float32 atomics; SDPA's backends decide their own determinism)."""
     from autoflash import ops
     from autoflash.training import EagerAttention
 
@@ -147,10 +155,11 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
 
     def own(q, k, v):
         if not pairs:
-            pairs.append(ops.training_pair(q, k, v, sm_scale, causal, causal_offset))
+            pairs.append(ops.training_pair(q, k, v, sm_scale, causal, causal_offset, deterministic=deterministic))
         return EagerAttention.apply(q, k, v, pairs[0])
 
-    winner = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only)
+    winner = get_dispatcher().kernel_for(q, k, v, q, causal, op="bwd", own_only=own_only or deterministic,
+                                         deterministic=deterministic)
     if not winner.vendor:
         return own
     if not winner.whole_pair:  # one half SDPA's (a refusal falls back to the own half inside)
@@ -216,28 +225,31 @@ def reset() -> None:
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-    """Drop-in for `torch.nn.functional.scaled_dot_product_attention`.
+    """Drop-in for `torch.nn.functional.scaled_dot_product_attention`: every call torch takes gets
+    torch's answer (from the kernels where they serve it), every call torch refuses raises.
 
     Args:
-        query: (batch_size, nheads, seqlen_q, headdim)
-        key: (batch_size, nheads_kv, seqlen_k, headdim); nheads_kv divides nheads when enable_gqa
-        value: (batch_size, nheads_kv, seqlen_k, headdim)
-        attn_mask: must be None for the kernels (anything else falls back to torch SDPA)
-        dropout_p: must be 0.0 for the kernels (falls back otherwise)
+        query: (*batch, seqlen_q, headdim), usually (batch_size, nheads, seqlen_q, headdim); any rank >= 2
+        key: (*batch_k, seqlen_k, headdim); value: (*batch_v, seqlen_k, headdim). The batch dims of all
+            three broadcast together as in torch (a (B*H, N, D) call, 5-D calls, K/V with one head or a
+            batch of one); with enable_gqa, key/value heads (dim -3) divide the query's
+        attn_mask: broadcastable to the scores; not served by the kernels (runs in torch SDPA)
+        dropout_p: must be 0 for the kernels (runs in torch SDPA otherwise)
         is_causal: causal mask aligned top-left, as SDPA (query i sees keys j <= i)
-        scale: softmax scale, default 1/sqrt(headdim)
-        enable_gqa: allow nheads_kv < nheads (grouped-query attention)
+        scale: softmax scale, default 1/sqrt(headdim): a number or what torch's float argument takes
+            (a numpy scalar, a 0-d tensor)
+        enable_gqa: allow key/value heads that divide the query's (grouped-query attention)
     torch's argument kinds hold: `scale` and `enable_gqa` are keyword-only, `is_causal` and
     `enable_gqa` bools (a TypeError otherwise). A call the kernels do not take runs torch's SDPA with
-    these very arguments, so its answer, and its refusals (an attn_mask with is_causal=True where
-    torch refuses it), are torch's.
+    these very arguments, so its answer, and its refusals (e.g. of a mask that does not broadcast), are
+    torch's. With `torch.use_deterministic_algorithms(True)` the backward is bitwise repeatable.
     Returns:
-        (batch_size, nheads, seqlen_q, headdim), dtype of query, in query's memory layout: a
-        query that is a (batch, seqlen, heads, headdim) tensor seen through `.transpose(1, 2)`, as
-        attention layers make them, gives an output laid out the same way, so the usual
-        `out.transpose(1, 2).reshape(batch, seqlen, -1)` copies nothing (torch SDPA's CUDA
-        backends do not return contiguous outputs either). A query with gaps between its
-        elements gives a contiguous output.
+        (*broadcast batch, seqlen_q, headdim), dtype of query. A 4-D output is in query's memory
+        layout: a query that is a (batch, seqlen, heads, headdim) tensor seen through `.transpose(1, 2)`,
+        as attention layers make them, gives an output laid out the same way, so the usual
+        `out.transpose(1, 2).reshape(batch, seqlen, -1)` copies nothing (torch SDPA's CUDA backends do
+        not return contiguous outputs either). A query with gaps between its elements gives a
+        contiguous output.
     """
     if (attn_mask is None and type(dropout_p) in (int, float) and not dropout_p
             and type(is_causal) is bool and type(enable_gqa) is bool):
@@ -245,15 +257,23 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         if out is not None:
             return out
     check_sdpa_kinds(is_causal, enable_gqa)
-    layout = "(batch, heads, seqlen, head_dim)"
-    check_tensors(query, key, value, ("query", "key", "value"), layout)
-    check_heads(query.shape[1], key.shape[1], enable_gqa, "query", "key")
-    check_numbers(dropout_p, scale, "scale")
-    reason = unsupported_reason(query, key, value, attn_mask, dropout_p, scale,
-                                 training=needs_autograd(query, key, value))
+    check_sdpa_tensors(query, key, value)
+    p, sm_scale = check_sdpa_numbers(dropout_p, scale)
+    batch = sdpa_batch(query, key, value, enable_gqa)
+    if batch is None:
+        reason = "an empty tensor (zero batch, heads, sequence or head dim)"
+    else:
+        reason = numbers_reason(p, sm_scale)
+    if reason is None:
+        q, k, v = kernel_views(query, key, value, batch)
+        reason = unsupported_reason(q, k, v, attn_mask, p, sm_scale, training=needs_autograd(q, k, v))
     if reason is None:
         try:
-            return _run(query, key, value, is_causal, 0, scale, enable_gqa)
+            # (a numpy or tensor scale as the number torch reads: the plan memo takes plain numbers)
+            out = _repeat_call(q, k, v, is_causal, sm_scale, enable_gqa)
+            if out is None:
+                out = _run(q, k, v, is_causal, 0, sm_scale, enable_gqa)
+            return out if out.shape == (*batch, *out.shape[-2:]) else out.reshape(*batch, *out.shape[-2:])
         except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
             reason = f"no usable kernel cache ({e})"
     fall_back(reason)

@@ -144,15 +144,17 @@ class Dispatcher:
             variant = self._served[key] = self.variant_for(problem, device)
         return variant
 
-    def kernel_for(self, q, k, v, o, causal: bool, op: str = "fwd", own_only: bool = False) -> Kernel:
+    def kernel_for(self, q, k, v, o, causal: bool, op: str = "fwd", own_only: bool = False,
+                   deterministic: bool = False) -> Kernel:
         """The compiled kernel for these tensors. Hot path: one dict lookup keyed by exact shapes,
         strides and 16-byte alignment; everything else happens once per key.
         o: the fourth tensor a kernel reads or writes: the output (fwd), dO (bwd).
         own_only: autoflash's own kernels only (the caller needs the log-sum-exp, or a causal
-        alignment other than top-left): a vendor winner is passed over for the best own one."""
+        alignment other than top-left): a vendor winner is passed over for the best own one.
+        deterministic: a variant whose results are bitwise repeatable (`deterministic_variant`)."""
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
         key = (op, causal, q.dtype, q.device, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(),
-               aligned, own_only)
+               aligned, own_only, deterministic)
         kernel = self.kernels.get(key)
         if kernel is None:
             device_index = q.device.index if q.is_cuda else None
@@ -168,15 +170,17 @@ class Dispatcher:
             with self._lock:
                 if len(self.kernels) > 4096:  # many distinct shapes: keep the table bounded
                     self.kernels.clear()
-                kernel = codegen.load(self.variant_for(problem, device, device_index, own_only))
+                variant = self.variant_for(problem, device, device_index, own_only or deterministic)
+                kernel = codegen.load(deterministic_variant(variant, problem, device) if deterministic else variant)
                 if kernel.vendor and kernel.unsupported(q, k, v, o):  # e.g. a GPU winner, CPU tensors
                     kernel = codegen.load(self.variant_for(problem, device, device_index, own_only=True))
-                kernel = self._servable(kernel, problem, device, q, k, v, o)
+                kernel = self._servable(kernel, problem, device, q, k, v, o, deterministic)
                 log.debug("autoflash: %s -> %s", problem.key, kernel)
                 self.kernels[key] = kernel
         return kernel
 
-    def varlen_kernel_for(self, q, k, v, o, causal: bool, op: str, max_seqlen_q: int, max_seqlen_k: int) -> Kernel:
+    def varlen_kernel_for(self, q, k, v, o, causal: bool, op: str, max_seqlen_q: int, max_seqlen_k: int,
+                          deterministic: bool = False) -> Kernel:
         """The kernel for packed variable-length sequences. q, k, v, o: (1, H, total, D) views of the
         packed tensors (o: the output or dO). The problem is the dense one of the longest sequences
         with the packed tokens' work; its winner serves when its family takes packed sequences,
@@ -188,7 +192,8 @@ class Dispatcher:
         device = gpu_fingerprint(device_index)
         work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
         key = ("varlen", op, causal, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[3], work,
-               *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k))
+               *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q),
+               seqlen_bucket(max_seqlen_k), deterministic)
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
@@ -197,10 +202,11 @@ class Dispatcher:
                 problem = Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                                   gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(max_seqlen_q),
                                   seqlen_k=seqlen_bucket(max_seqlen_k), work=work)
-                kernel = codegen.load(self.variant_for(problem, device, device_index, own_only=True))
-                if not kernel.supports_varlen:
-                    kernel = codegen.load(default_variant(op, problem, device))
-                kernel = self._servable(kernel, problem, device, q, k, v, o)
+                variant = self.variant_for(problem, device, device_index, own_only=True)
+                if not codegen.load(variant).supports_varlen:
+                    variant = default_variant(op, problem, device)
+                kernel = codegen.load(deterministic_variant(variant, problem, device) if deterministic else variant)
+                kernel = self._servable(kernel, problem, device, q, k, v, o, deterministic)
                 if not kernel.supports_varlen:  # (the pointer twin of a default is in the same family)
                     raise InvalidVariant(f"no {op} kernel takes packed sequences: {kernel}")
                 log.debug("autoflash: varlen %s -> %s", problem.key, kernel)
@@ -230,7 +236,8 @@ class Dispatcher:
                               RuntimeWarning, stacklevel=4)
 
     @staticmethod
-    def _servable(kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k, v, o) -> Kernel:
+    def _servable(kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k, v, o,
+                  deterministic: bool = False) -> Kernel:
         """The kernel itself when it takes these tensors; else its pointer-load twin in the same
         family, else the op's default family's pointer variant (which takes any strides)."""
         if kernel.unsupported(q, k, v, o) is None:
@@ -242,10 +249,37 @@ class Dispatcher:
                 continue
             # (warp specialization is offered only with TMA loads)
             no_ws = {"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in space.knobs else {}
-            twin = codegen.load(space.nearest_valid(variant.replace(LOADS="pointer", **no_ws), problem, device))
+            twin = space.nearest_valid(variant.replace(LOADS="pointer", **no_ws), problem, device)
+            twin = codegen.load(deterministic_variant(twin, problem, device) if deterministic else twin)
             if twin.unsupported(q, k, v, o) is None:
                 return twin
         raise InvalidVariant(f"no kernel of {problem.op} takes these tensors: {kernel.unsupported(q, k, v, o)}")
+
+
+# Knob values that make a family's kernels bitwise repeatable, for the families whose space also offers
+# variants that are not: the backward's "atomic" and "tma_reduce" dQ add float32 tiles into one buffer
+# in whatever order the programs reach it, so dQ changes in its last bits from run to run; "separate"
+# computes each dQ tile in one program (dK/dV are always so: the GQA split's partial sums are reduced
+# in a fixed order). A family missing here serves deterministic calls as it is: tests/
+# test_deterministic.py holds every backward family to an entry.
+DETERMINISTIC_KNOBS: dict[str, dict] = {"triton_bwd": {"DQ_MODE": "separate"}}
+
+
+def deterministic_variant(variant: Variant, problem: Problem, device: GPUFingerprint) -> Variant:
+    """`variant` with its family's deterministic knob values (`DETERMINISTIC_KNOBS`), the other knobs
+    kept where the space allows it here, else changed as few as possible."""
+    pins = DETERMINISTIC_KNOBS.get(variant.family, {})
+    if all(variant.as_dict().get(knob) == value for knob, value in pins.items()):
+        return variant
+    space = load_space(variant.family)
+    wanted = variant.replace(**pins)
+    if not space.violations(wanted, problem, device):
+        return wanted
+    valid = [v for v in space.valid_variants(problem, device) if all(v[knob] == value for knob, value in pins.items())]
+    if not valid:
+        raise InvalidVariant(f"no deterministic {variant.family} variant is valid for {problem.key} on {device.name}")
+    want = wanted.as_dict()
+    return min(valid, key=lambda v: (sum(v[knob] != want.get(knob) for knob in v.as_dict()), v.json()))
 
 
 def tune_in_child_process(shape: Shape, device_index: int | None = None) -> None:

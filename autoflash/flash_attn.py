@@ -20,7 +20,7 @@ from autoflash.fallback import fall_back
 from autoflash.kernel_cache import KernelCacheError
 from autoflash.reference import sdpa_attention
 from autoflash.validate import (check_alibi, check_flag, check_heads, check_numbers, check_softcap, check_tensors,
-                                check_window, needs_autograd, unsupported_reason)
+                                check_window, deterministic_backward, needs_autograd, unsupported_reason)
 
 LAYOUT = "(batch, seqlen, heads, head_dim)"
 
@@ -42,17 +42,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softcap: > 0 caps the scaled scores as softcap * tanh(s / softcap) (runs in torch)
         alibi_slopes: (nheads,) or (batch_size, nheads) float32: adds -slope * |i + seqlen_k - seqlen_q - j|
             to the scores (runs in torch)
-        deterministic: a backward that is bitwise reproducible (differentiable calls run in torch)
+        deterministic: a bitwise repeatable backward (a backward variant without float32 atomics;
+            torch.use_deterministic_algorithms(True) asks for it too)
         return_attn_probs: also return the log-sum-exp (flash-attn's testing output)
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), contiguous; with return_attn_probs
         (out, softmax_lse (batch_size, nheads, seqlen_q) float32, natural log, +inf for rows that see
         no key, None): autoflash never materializes the probabilities, the third element is None.
     """
-    if (return_attn_probs is False and deterministic is False and _plain(window_size, softcap, alibi_slopes)
+    if (return_attn_probs is False and type(deterministic) is bool and _plain(window_size, softcap, alibi_slopes)
             and _may_be_planned(q, k, v, dropout_p)):
         # (B, N, H, D) -> (B, H, N, D) views: the kernels take any strides, nothing is copied.
-        out = _planned_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal)
+        out = _planned_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal,
+                                   deterministic)
         if out is not None:
             return out
     check_tensors(q, k, v, ("q", "k", "v"), LAYOUT)
@@ -118,12 +120,12 @@ def _may_be_planned(q, k, v, dropout_p) -> bool:
         isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
 
 
-def _planned_heads_first(q, k, v, softmax_scale, causal):
+def _planned_heads_first(q, k, v, softmax_scale, causal, deterministic: bool = False):
     """flash-attn semantics (bottom-right causal, GQA) on (B, H, N, D) views of a call planned
     before: its output (B, N, H, D) contiguous; None for a new call."""
     if type(causal) is not bool:
         return None
-    out = api._repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2])
+    out = api._repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2], deterministic)
     return None if out is None else out.transpose(1, 2).contiguous()
 
 
@@ -147,8 +149,7 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
     window, causal = binding_window(window, causal, n_q, n_k)
     training = needs_autograd(q, k, v)
     variants = [name for name, used in (("window_size", window != (-1, -1)), ("softcap", softcap > 0),
-                                        ("alibi_slopes", alibi_slopes is not None),
-                                        ("deterministic=True in a differentiable call", deterministic and training))
+                                        ("alibi_slopes", alibi_slopes is not None))
                 if used]
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if variants:
@@ -161,7 +162,7 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
             if return_lse and not training:
                 return api.forward_with_lse(q, k, v, causal, offset, scale)
             # The kernels write the output in q's memory layout: (B, N, H, D) inputs, no copy.
-            out = api._run(q, k, v, causal, offset, scale, True)
+            out = api._run(q, k, v, causal, offset, scale, True, deterministic)
             if not return_lse:
                 return out, None
             with torch.no_grad():  # (the differentiable path keeps its LSE inside: one more forward)
@@ -169,6 +170,7 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
         except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
             reason = f"no usable kernel cache ({e})"
     fall_back(reason)
-    if return_lse:
+    if return_lse or (training and deterministic_backward(deterministic)):
+        # (torch's SDPA backends on the GPU may add gradients with atomics: the eager path's are matmuls)
         return eager_attention(q, k, v, scale=sm_scale, causal=causal, offset=offset, dropout_p=dropout_p)
     return sdpa_attention(q, k, v, None, dropout_p, causal, offset, sm_scale), None

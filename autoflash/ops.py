@@ -16,8 +16,9 @@ from autoflash.dispatch import get_dispatcher
 
 @torch.library.custom_op("autoflash::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-             causal_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (B, H, Nq, D), k/v: (B, H_kv, Nk, D), any strides -> out (q's memory layout), lse (B, H, Nq) fp32."""
+             causal_offset: int, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (B, H, Nq, D), k/v: (B, H_kv, Nk, D), any strides -> out (q's memory layout), lse (B, H, Nq) fp32.
+    deterministic: the backward (`attn_bwd`) is bitwise repeatable (the forward always is)."""
     out = torch.empty_like(q)  # preserves q's layout: a (B,N,H,D)-strided view gives a (B,N,H,D) buffer
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     # own kernels only: the lse feeds autoflash's backward (a vendor winner gives none)
@@ -27,37 +28,39 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, scale, causal, causal_offset):
+def _attn_fwd_fake(q, k, v, scale, causal, causal_offset, deterministic=False):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("autoflash::attn_bwd", mutates_args=())
 def attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, scale: float, causal: bool,
-             causal_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             causal_offset: int, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    get_dispatcher().kernel_for(q, k, v, grad_out, causal, op="bwd", own_only=True).backward(
-        q, k, v, out, lse, grad_out, dq, dk, dv, scale, causal, causal_offset)
+    kernel = get_dispatcher().kernel_for(q, k, v, grad_out, causal, op="bwd", own_only=True,
+                                         deterministic=deterministic)
+    kernel.backward(q, k, v, out, lse, grad_out, dq, dk, dv, scale, causal, causal_offset)
     return dq, dk, dv
 
 
 @attn_bwd.register_fake
-def _attn_bwd_fake(grad_out, q, k, v, out, lse, scale, causal, causal_offset):
+def _attn_bwd_fake(grad_out, q, k, v, out, lse, scale, causal, causal_offset, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, causal_offset = inputs
+    q, k, v, scale, causal, causal_offset, *deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.scale, ctx.causal, ctx.causal_offset = scale, causal, causal_offset
+    ctx.deterministic = bool(deterministic and deterministic[0])
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.causal_offset)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.causal_offset, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -66,14 +69,16 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 from autoflash.training import TrainingPair, training_pair_for  # noqa: E402 (the eager training path)
 
 
-def training_pair(q, k, v, sm_scale: float, causal: bool, causal_offset: int, winner=None) -> TrainingPair | None:
+def training_pair(q, k, v, sm_scale: float, causal: bool, causal_offset: int, winner=None,
+                  deterministic: bool = False) -> TrainingPair | None:
     """The served training pair of this call: the backward problem's `winner` (default: the own-only
     one) with the forward it stands for, the own halves the served own kernels; None where the
-    winner is SDPA's whole pair (see `training.training_pair_for`)."""
+    winner is SDPA's whole pair (see `training.training_pair_for`). deterministic: own backward kernels
+    whose gradients are bitwise repeatable (a vendor `winner` must not be passed then)."""
     dispatcher = get_dispatcher()
 
     def backward_for(q, k, v, do):  # a gradient (or tensors) the served backward cannot take: what serves it
-        return dispatcher.kernel_for(q, k, v, do, causal, op="bwd", own_only=True)
+        return dispatcher.kernel_for(q, k, v, do, causal, op="bwd", own_only=True, deterministic=deterministic)
 
     def forward_for(q, k, v):
         return dispatcher.kernel_for(q, k, v, q, causal, own_only=True)

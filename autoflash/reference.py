@@ -121,7 +121,7 @@ def torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     its refusals are torch's, whatever backend torch picks for them."""
     import torch.nn.functional as F
 
-    if scale is not None and not float(scale) > 0:  # (see sdpa_attention: NaN from the default backend)
+    if scale is not None and not _positive(scale):  # (see sdpa_attention: NaN from the default backend)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.MATH):
@@ -129,6 +129,15 @@ def torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                                   enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                           enable_gqa=enable_gqa)
+
+
+def _positive(scale) -> bool:
+    """Whether a scale of any kind torch takes (a numpy complex scalar included) is a number > 0;
+    True for one `float` cannot read: torch then decides."""
+    try:
+        return float(getattr(scale, "real", scale)) > 0
+    except (TypeError, ValueError, RuntimeError):
+        return True
 
 
 def sdpa_grads(q, k, v, grad, causal, offset, scale):

@@ -52,7 +52,7 @@ def check_heads(hq: int, hkv: int, gqa_allowed: bool, qn: str, kn: str) -> None:
 def check_numbers(dropout_p, scale, scale_name: str) -> None:
     """dropout_p a probability, scale a finite number or a one-element 0-d tensor (or None): else
     ValueError. (Stricter than torch, which returns NaN for a NaN scale and takes True for 1.)"""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
     if scale is None:
         return
@@ -148,3 +148,9 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = Fa
 
 def needs_autograd(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def deterministic_backward(requested: bool = False) -> bool:
+    """Whether a differentiable call's backward must be bitwise repeatable: asked for (flash-attn's
+    `deterministic=True`) or required by torch (`torch.use_deterministic_algorithms(True)`)."""
+    return bool(requested) or torch.are_deterministic_algorithms_enabled()

@@ -8,9 +8,10 @@ sequence's bounds from cu_seqlens and exits when its tile starts past that seque
 dense problem of the longest sequence (its own family, else the default one: `Dispatcher.varlen_kernel_for`).
 
 Calls the kernels do not take (a dtype, device or head dim they do not support, a non-positive
-scale, dropout, a window, softcap, ALiBi, a deterministic backward) run sequence by sequence through
-`flash_attn_func`, which runs them in torch with one warning per reason (`AUTOFLASH_STRICT=1`: an
-error). A paged K/V (`block_table`) is gathered into packed tensors first.
+scale, dropout, a window, softcap, ALiBi) run sequence by sequence through `flash_attn_func`, which
+runs them in torch with one warning per reason (`AUTOFLASH_STRICT=1`: an error). A deterministic
+backward runs on the packed kernels, in a variant without float32 atomics. A paged K/V
+(`block_table`) is gathered into packed tensors first.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from autoflash.dispatch import get_dispatcher
 from autoflash.flash_attn import flash_attn_func
 from autoflash.training import first_order
 from autoflash.validate import (check_alibi, check_flag, check_numbers, check_softcap, check_window,
-                                needs_autograd, unsupported_reason)
+                                deterministic_backward, needs_autograd, unsupported_reason)
 
 
 def _packed_views(*tensors):
@@ -36,13 +37,14 @@ class VarlenAttention(torch.autograd.Function):
     """Forward and backward of packed sequences on autoflash's own kernels (one launch per kernel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: float, causal: bool):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: float, causal: bool,
+                deterministic: bool = False):
         out = torch.empty_like(q)
         lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
         kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, out), causal, "fwd", max_q, max_k)
         kernel.forward_varlen(q, k, v, out, lse, cu_q, cu_k, max_q, sm_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, sm_scale, causal)
+        ctx.args = (max_q, max_k, sm_scale, causal, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -50,11 +52,12 @@ class VarlenAttention(torch.autograd.Function):
     @first_order
     def backward(ctx, grad_out, grad_lse):  # (the LSE is an output for the caller, not differentiable)
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, sm_scale, causal = ctx.args
+        max_q, max_k, sm_scale, causal, deterministic = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, grad_out), causal, "bwd", max_q, max_k)
+        kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, grad_out), causal, "bwd", max_q, max_k,
+                                                    deterministic)
         kernel.backward_varlen(q, k, v, out, lse, grad_out, dq, dk, dv, cu_q, cu_k, max_q, max_k, sm_scale, causal)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _kernels_take(q, k, v, softmax_scale) -> bool:
@@ -156,35 +159,38 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   softmax_scale, causal)
     return_lse = check_flag("return_attn_probs", return_attn_probs)
     # (a deterministic backward matters only where there is one: the forward kernels are deterministic)
-    deterministic = check_flag("deterministic", deterministic) and needs_autograd(q, k, v)
-    extras = _extras(q, cu_q, dropout_p, window_size, softcap, alibi_slopes, deterministic)
-    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, causal, extras, return_lse)
+    deterministic = deterministic_backward(check_flag("deterministic", deterministic)) and needs_autograd(q, k, v)
+    extras = _extras(q, cu_q, dropout_p, window_size, softcap, alibi_slopes)
+    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, causal, extras, return_lse,
+                       deterministic)
     return (out, lse, None) if return_lse else out
 
 
-def _extras(q, cu_q, dropout_p, window_size, softcap, alibi_slopes, deterministic) -> dict:
+def _extras(q, cu_q, dropout_p, window_size, softcap, alibi_slopes) -> dict:
     """flash-attn's arguments beyond the kernels', checked: {} when every one is at its default."""
     check_numbers(dropout_p, None, "softmax_scale")
     extras = {"dropout_p": dropout_p, "window_size": check_window(window_size), "softcap": check_softcap(softcap),
-              "alibi_slopes": alibi_slopes, "deterministic": deterministic}
+              "alibi_slopes": alibi_slopes}
     check_alibi(alibi_slopes, len(cu_q) - 1, q.shape[1], q.device)
-    default = {"dropout_p": 0, "window_size": (-1, -1), "softcap": 0.0, "alibi_slopes": None, "deterministic": False}
+    default = {"dropout_p": 0, "window_size": (-1, -1), "softcap": 0.0, "alibi_slopes": None}
     return {} if all(extras[name] is value or extras[name] == value for name, value in default.items()) else extras
 
 
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, causal, extras: dict, return_lse: bool):
-    """(out, lse (H, total_q) or None) of a validated call."""
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, causal, extras: dict, return_lse: bool,
+            deterministic: bool = False):
+    """(out, lse (H, total_q) or None) of a validated call. deterministic: a bitwise repeatable backward."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         lse = q.new_full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32) if return_lse else None
         return _NoAttention.apply(q, k, v), lse
     if extras or not _kernels_take(q, k, v, softmax_scale):
-        return _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal, extras, return_lse)
+        return _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal, {**extras, "deterministic": deterministic},
+                             return_lse)
     longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     # The grid spans the longest sequences actually present (max_seqlen_* may be larger).
     out, lse = VarlenAttention.apply(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest_q,
-                                     longest_k, sm_scale, causal)
+                                     longest_k, sm_scale, causal, deterministic)
     return out, (lse if return_lse else None)
 
 

@@ -106,10 +106,10 @@ def test_attention_output_keeps_an_attention_layers_layout(strict):
 
 # ----------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(q=rand(2, 8, 4), k=rand(2, 2, 8, 4), v=rand(2, 2, 8, 4)), "query must be 4-D"),
+    (dict(q=rand(8), k=rand(2, 2, 8, 4), v=rand(2, 2, 8, 4)), "query must be at least 2-D"),
     (dict(q=rand(2, 2, 8, 4), k=rand(2, 2, 8, 4, dtype=torch.float16), v=rand(2, 2, 8, 4)), "one dtype"),
     (dict(q=rand(2, 2, 8, 4), k=rand(2, 2, 8, 4), v=rand(2, 2, 9, 4)), "key and value must agree"),
-    (dict(q=rand(2, 2, 8, 4), k=rand(3, 2, 8, 4), v=rand(3, 2, 8, 4)), "batch size"),
+    (dict(q=rand(2, 2, 8, 4), k=rand(3, 2, 8, 4), v=rand(3, 2, 8, 4)), "batch dims .* do not broadcast"),
     (dict(q=rand(2, 2, 8, 4), k=rand(2, 2, 8, 8), v=rand(2, 2, 8, 8)), "head dim"),
     (dict(q=rand(2, 4, 8, 8), k=rand(2, 2, 8, 8), v=rand(2, 2, 8, 8)), "enable_gqa=True"),
 ])
@@ -294,9 +294,9 @@ def test_fast_path_never_skips_validation_autograd_or_fallbacks(strict):
     api.inference_plans.clear()
     q, k, v = (rand(1, 2, 33, 32, seed=s) for s in (1, 2, 3))
     autoflash.attention(q, k, v)
-    # Same tensors but GQA-shaped key: a new signature, so validation runs and raises.
+    # Same query, a key whose heads neither match nor broadcast: a new signature, so validation runs and raises.
     with pytest.raises(ValueError, match="enable_gqa"):
-        autoflash.attention(q, rand(1, 1, 33, 32), rand(1, 1, 33, 32))
+        autoflash.attention(rand(1, 4, 33, 32), rand(1, 2, 33, 32), rand(1, 2, 33, 32))
     # Differentiable calls go through the custom op (an autograd graph), never the fast path.
     qg = q.clone().requires_grad_()
     assert autoflash.attention(qg, k, v).grad_fn is not None
@@ -306,12 +306,13 @@ def test_fast_path_never_skips_validation_autograd_or_fallbacks(strict):
 
 
 @pytest.mark.interpreter
-def test_tensor_scale_and_interpreter_off_bypass_the_fast_path(strict, monkeypatch):
+def test_a_tensor_scale_is_planned_as_its_float_and_interpreter_off_bypasses_the_fast_path(strict, monkeypatch):
     api.inference_plans.clear()
     q, k, v = (rand(1, 2, 20, 32, seed=s) for s in (4, 5, 6))
-    out = autoflash.attention(q, k, v, scale=torch.tensor(0.2))  # unhashable scale: served, not memoized
+    out = autoflash.attention(q, k, v, scale=torch.tensor(0.2))  # served, and planned as the float torch reads
     assert rel_error(out, reference(q, k, v, False, 0, 0.2)[0]) <= TOL[torch.float32]
-    assert not api.inference_plans
+    assert [key[13] for key in api.inference_plans] == [float(torch.tensor(0.2))]
+    api.inference_plans.clear()
     autoflash.attention(q, k, v)
     assert len(api.inference_plans) == 1
     # Same signature with the interpreter off: CPU tensors are a fallback again, never the cached kernel.

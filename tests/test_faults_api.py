@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -28,16 +29,54 @@ def test_non_floating_inputs_are_a_value_error(dtype):
         autoflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
-@pytest.mark.parametrize("dropout_p", [-0.1, float("nan"), 1.5, "0.1", True])
-def test_dropout_outside_zero_one_is_a_value_error(dropout_p):
+@pytest.mark.parametrize("dropout_p", [1.5, float("inf")])
+def test_dropout_above_one_is_a_value_error(dropout_p):
     with pytest.raises(ValueError, match="dropout_p"):
         autoflash.attention(*_qkv(), dropout_p=dropout_p)
 
 
-@pytest.mark.parametrize("scale", ["0.1", float("nan"), float("inf"), [0.1], True])
-def test_a_scale_that_is_not_a_finite_number_is_a_value_error(scale):
-    with pytest.raises(ValueError, match="scale"):
-        autoflash.attention(*_qkv(), scale=scale)
+@pytest.mark.parametrize("dropout_p", [-0.1, float("nan")])
+@pytest.mark.parametrize("heads_kv", [2, 1])
+def test_a_negative_or_nan_dropout_is_torchs_to_answer_or_refuse(dropout_p, heads_kv):
+    """torch's math backend reads it as no dropout (K/V heads broadcast take that backend on the CPU), its
+    CPU flash kernel refuses it: autoflash hands the call to torch as it is."""
+    api.reset()  # (the warning comes once per reason)
+    q, k, v = _qkv()
+    k, v = k[:, :heads_kv], v[:, :heads_kv]
+    try:
+        theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            autoflash.attention(q, k, v, dropout_p=dropout_p)
+        return
+    with pytest.warns(api.FallbackWarning, match="dropout_p"):
+        torch.testing.assert_close(autoflash.attention(q, k, v, dropout_p=dropout_p), theirs)
+
+
+@pytest.mark.parametrize("name, value", [("dropout_p", "0.1"), ("dropout_p", None), ("scale", "0.1"),
+                                         ("scale", [0.1]), ("scale", torch.tensor([0.1]))])
+def test_a_number_of_a_kind_torch_refuses_is_torchs_type_error(name, value):
+    with pytest.raises(TypeError):
+        torch.nn.functional.scaled_dot_product_attention(*_qkv(), **{name: value})
+    with pytest.raises(TypeError, match=f"argument '{name}' must be float"):
+        autoflash.attention(*_qkv(), **{name: value})
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), True])
+def test_a_scale_torch_takes_gets_torchs_answer_and_the_flash_attn_form_refuses_it(scale):
+    # torch SDPA answers these (NaN, infinity, True as 1.0): so does autoflash.attention, through torch
+    # where the kernels cannot take the number. flash-attn's form keeps its stricter check.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", api.FallbackWarning)
+        out = autoflash.attention(*_qkv(), scale=scale)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(*_qkv(), scale=scale),
+                               equal_nan=True)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        autoflash.flash_attn_func(*(t.transpose(1, 2) for t in _qkv()), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.1", [0.1]])
+def test_a_softmax_scale_that_is_no_number_is_a_value_error(scale):
     with pytest.raises(ValueError, match="softmax_scale"):
         autoflash.flash_attn_func(*(t.transpose(1, 2) for t in _qkv()), softmax_scale=scale)
 
@@ -177,8 +216,8 @@ def test_the_repeat_call_memo_keys_each_tensors_alignment_on_its_own():
 def test_arguments_are_checked_even_when_a_plan_for_the_call_exists():
     api.reset()
     q, k, v = _qkv()
-    autoflash.attention(q, k, v, scale=1)  # a plan for scale=1 and dropout 0
-    with pytest.raises(ValueError, match="dropout_p"):
+    planned = autoflash.attention(q, k, v, scale=1)  # a plan for scale=1 and dropout 0
+    with pytest.raises(TypeError, match="dropout_p"):
         autoflash.attention(q, k, v, dropout_p=None, scale=1)
-    with pytest.raises(ValueError, match="scale"):
-        autoflash.attention(q, k, v, scale=True)  # True == 1, yet not a scale
+    # True == 1: torch reads it as 1.0, the answer of the planned call (not through the plan's fast path)
+    assert torch.equal(autoflash.attention(q, k, v, scale=True), planned)

@@ -92,25 +92,24 @@ class ScoreArgs:
             return self
         return dataclasses.replace(self, alibi_slopes=self.alibi_slopes[first:last])
 
-    def kernel_kwargs(self, variant: ScoreVariant) -> dict:
-        """The kernel's variant parameters (see `score_params` in _shared/triton_parts.jinja) for a
-        kernel rendered with `variant`; a call whose values are another variant's is a ValueError."""
+    def kernel_args(self, variant: ScoreVariant) -> tuple:
+        """The kernel's variant parameters, in their order (`score_params` in _shared/score_parts.jinja:
+        window, softcap, ALiBi, sinks), for a kernel rendered with `variant`; a call whose values are
+        another variant's is a ValueError. Positional, as the kernels' other runtime arguments."""
         if self.variant != variant:
             raise ValueError(f"a kernel rendered for score variant {variant.key or 'plain'!r} got the values "
                              f"of {self.variant.key or 'plain'!r}")
-        kwargs = {}
+        args = []
         if variant.window:
-            left, right = (WINDOW_UNBOUNDED if w < 0 else min(int(w), WINDOW_UNBOUNDED) for w in self.window)
-            kwargs.update(window_left=left, window_right=right)
+            args += [WINDOW_UNBOUNDED if w < 0 else min(int(w), WINDOW_UNBOUNDED) for w in self.window]
         if variant.softcap:
-            kwargs.update(softcap=float(self.softcap))
+            args.append(float(self.softcap))
         if variant.alibi:
-            slopes = self.alibi_slopes
-            stride_az, stride_ah = (slopes.stride(0), slopes.stride(1)) if slopes.dim() == 2 else (0, slopes.stride(0))
-            kwargs.update(ALIBI=slopes, stride_az=stride_az, stride_ah=stride_ah)
+            slopes = self.alibi_slopes  # (a batch stride of 0: one slope per head)
+            args += [slopes, *((slopes.stride(0), slopes.stride(1)) if slopes.dim() == 2 else (0, slopes.stride(0)))]
         if variant.sinks:
-            kwargs.update(SINKS=self.sinks, stride_sh=self.sinks.stride(0))
-        return kwargs
+            args += [self.sinks, self.sinks.stride(0)]
+        return tuple(args)
 
 
 NO_SCORE_ARGS = ScoreArgs()

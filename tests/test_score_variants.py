@@ -342,6 +342,40 @@ def test_transformers_window_mask_is_none_only_for_flash_attn_s_own_window():
     assert window_mask(2, 10, 40, q_offset=30, mask_function=fn, local_size=8) is not None  # a chunk after context
 
 
+# ----------------------------------------------------------------------------- the GPU compiler
+@pytest.mark.parametrize("loads", ["pointer", "tma"])
+def test_variant_kernels_compile_for_sm90(loads, tmp_path):
+    """The interpreter cannot see a kernel the GPU compiler refuses: the variants' kernels compile for
+    Hopper on any machine (every variant at once and window + sinks, causal, bf16 d128), in a clean
+    child process (helpers.run_in_clean_process)."""
+    from helpers import run_in_clean_process
+
+    code = f"from tests.test_score_variants import compile_variants_for_sm90; compile_variants_for_sm90({loads!r})"
+    done = run_in_clean_process(code, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["window+softcap+alibi+sinks", "window+sinks"]
+
+
+def compile_variants_for_sm90(loads: str) -> None:
+    """(Run by the test above in a clean process.) Capture each variant kernel's launch and compile it."""
+    from helpers import capture_launches, compile_for_sm90
+
+    space = load_space("triton_fwd")
+    knobs = {**{k: c[0] for k, c in space.knobs.items()}, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8,
+             "num_stages": 3, "LOADS": loads}
+    q = torch.empty(2, 8, 333, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 517, 128, dtype=torch.bfloat16)
+    for score in (ScoreArgs((63, -1), 30.0, torch.empty(2, 8), torch.empty(8)), ScoreArgs((63, -1), sinks=torch.empty(8))):
+        kernel = codegen.load(space.check_declared(knobs), score=score.variant)
+        launches = capture_launches([kernel.module._attn_fwd])
+        kernel.host.launch(q=q, k=k, v=k, o=torch.empty_like(q), lse=torch.empty(2, 8, 333), sm_scale=0.1, causal=True,
+                           causal_offset=184, compile_only=True, score_args=score)
+        for jit, args, kwargs in launches:
+            defaults = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}  # (BLOCK_DA/DB)
+            compile_for_sm90(jit, args, {**defaults, **kwargs})
+        print(score.variant.key)
+
+
 # ----------------------------------------------------------------------------- bf16 on the GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_q, n_k", [(1023, 1023), (1023, 4111), (4111, 4111)])

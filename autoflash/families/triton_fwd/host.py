@@ -58,7 +58,7 @@ class TritonForward(ForwardFamily):
             q, k, v, o, lse, cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), stride_lz, stride_lh,
             heads, n_q, n_k, heads // k.shape[1], sm_scale, causal_offset,
-            **score_args.kernel_kwargs(self.score),
+            *score_args.kernel_args(self.score),
             HEAD_DIM=head_dim,
             BLOCK_D=head_block(head_dim),
             IS_CAUSAL=causal,

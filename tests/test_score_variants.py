@@ -21,7 +21,6 @@ from autoflash.problem import Problem, Shape
 from autoflash.reference import lse_error, rel_error
 from autoflash.score_variant import PLAIN, ScoreArgs, ScoreVariant
 from autoflash.space import Variant, load_space
-from autoflash.store import Store
 
 BATCH, HEADS, KV_HEADS = 2, 4, 2  # GQA: two query heads per KV head
 
@@ -59,10 +58,10 @@ def reference(q, k, v, scale, causal, offset, score: ScoreArgs):
     q, k, v = (t.double() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    n_q, n_k = q.shape[2], k.shape[2]
-    i = torch.arange(n_q)[:, None] + offset
-    j = torch.arange(n_k)[None, :]
-    mask = torch.ones(n_q, n_k, dtype=torch.bool)
+    n_q, n_k, device = q.shape[2], k.shape[2], q.device
+    i = torch.arange(n_q, device=device)[:, None] + offset
+    j = torch.arange(n_k, device=device)[None, :]
+    mask = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
     if causal:
         mask &= j <= i
     left, right = score.window
@@ -74,11 +73,11 @@ def reference(q, k, v, scale, causal, offset, score: ScoreArgs):
     if score.softcap:
         s = score.softcap * torch.tanh(s / score.softcap)
     if score.alibi_slopes is not None:
-        slopes = score.alibi_slopes.double().cpu().reshape(-1, q.shape[1])[:, :, None, None]
+        slopes = score.alibi_slopes.double().reshape(-1, q.shape[1])[:, :, None, None]
         s = s - slopes * (i - j).abs()
     s = s.masked_fill(~mask, -math.inf)
     if score.sinks is not None:
-        sink = score.sinks.double().cpu().reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        sink = score.sinks.double().reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)
         s = torch.cat([s, sink], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
@@ -225,6 +224,8 @@ def test_the_variants_are_part_of_the_problem_key_and_plain_keys_are_unchanged()
 
 
 def _db(path, rows):
+    from autoflash.store import Store
+
     device = gpu_fingerprint()
     store = Store(path)
     store.add_gpu(device)
@@ -394,12 +395,12 @@ def test_bf16_variants_on_the_gpu_against_float64(name, n_q, n_k, fresh):
     out, lse = _flash(q, k, v, softmax_scale=128 ** -0.5, causal=causal, window_size=score.window,
                       softcap=score.softcap, alibi_slopes=score.alibi_slopes) if score.sinks is None else \
         _sinks_call(q, k, v, causal, score)
-    ref_out, ref_lse = reference(q.cpu(), k.cpu(), v.cpu(), 128 ** -0.5, causal, n_k - n_q, _cpu(score))
+    ref_out, ref_lse = reference(q, k, v, 128 ** -0.5, causal, n_k - n_q, score)  # (float64 on the GPU)
     torch_out, _ = eager_attention(q, k, v, scale=128 ** -0.5, causal=causal, offset=n_k - n_q, window=score.window,
                                    softcap=score.softcap, alibi_slopes=score.alibi_slopes, sinks=score.sinks)
-    err, torch_err = rel_error(out.cpu(), ref_out), rel_error(torch_out.cpu(), ref_out)
+    err, torch_err = rel_error(out, ref_out), rel_error(torch_out, ref_out)
     assert err <= max(2 * torch_err, 1e-2), (err, torch_err)
-    assert lse_error(lse.cpu(), ref_lse) <= 2e-2
+    assert lse_error(lse, ref_lse) <= 2e-2
 
 
 def _sinks_call(q, k, v, causal, score):
@@ -410,7 +411,3 @@ def _sinks_call(q, k, v, causal, score):
     assert served is not None, why
     return served
 
-
-def _cpu(score: ScoreArgs) -> ScoreArgs:
-    return ScoreArgs(score.window, score.softcap, None if score.alibi_slopes is None else score.alibi_slopes.cpu(),
-                     None if score.sinks is None else score.sinks.cpu())

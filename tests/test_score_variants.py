@@ -259,6 +259,21 @@ def test_winners_are_kept_and_served_per_variant(tmp_path):
         load_space("triton_fwd").default_for(plain, device), plain, device)
 
 
+def test_autoflash_render_shows_a_variant_kernel():
+    from click.testing import CliRunner
+
+    from autoflash.cli import cli
+
+    r = CliRunner().invoke(cli, ["render", "--op", "fwd", "--causal", "--score", "window+softcap", "--variant",
+                                 '{"LOADS": "pointer"}'], catch_exceptions=False)
+    assert r.exit_code == 0 and "window_left, window_right," in r.output and "softcap_log2" in r.output
+    compile(r.output, "<rendered>", "exec")
+    r = CliRunner().invoke(cli, ["render", "--op", "bwd", "--score", "window"])
+    assert r.exit_code != 0 and "computes no attention variants" in r.output
+    r = CliRunner().invoke(cli, ["render", "--op", "fwd", "--score", "tanh"])
+    assert r.exit_code != 0 and "score variant 'tanh'" in r.output
+
+
 # ----------------------------------------------------------------------------- the public drop-ins
 @pytest.fixture
 def fresh():

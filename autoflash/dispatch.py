@@ -17,10 +17,11 @@ from typing import Callable
 
 import torch
 
-from autoflash import codegen
+from autoflash import codegen, families
 from autoflash.codegen import Kernel
 from autoflash.device import GPUFingerprint, gpu_fingerprint
 from autoflash.problem import Problem, Shape, dtype_name, seqlen_bucket, shape_work_bucket
+from autoflash.score_variant import PLAIN, ScoreVariant
 from autoflash.serving_policy import cudnn_variant
 from autoflash.space import InvalidVariant, Variant, default_variant, load_space
 from autoflash.winners import WinnerTable
@@ -68,11 +69,13 @@ class Dispatcher:
         return table
 
     @staticmethod
-    def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str, sm_count: int) -> Problem:
+    def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str, sm_count: int,
+                    score: ScoreVariant = PLAIN) -> Problem:
         return Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                        gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(q.shape[2]),
                        seqlen_k=seqlen_bucket(k.shape[2]),
-                       work=shape_work_bucket(op, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], sm_count))
+                       work=shape_work_bucket(op, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], sm_count),
+                       score_variant=score.key or None)
 
     def _claim_tune_on_miss(self, problem: Problem, q) -> bool:
         """Whether this call tunes its problem (AUTOFLASH_TUNE_ON_MISS=1, first seen, not while a CUDA
@@ -80,6 +83,8 @@ class Dispatcher:
         if os.environ.get("AUTOFLASH_TUNE_ON_MISS", "0").strip().lower() in ("", "0", "false", "no", "off"):
             return False
         if problem.key in self._tuned_on_miss or torch.compiler.is_compiling():
+            return False
+        if problem.score_variant is not None:  # (the tuner measures plain attention only, so far)
             return False
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
@@ -145,23 +150,25 @@ class Dispatcher:
         return variant
 
     def kernel_for(self, q, k, v, o, causal: bool, op: str = "fwd", own_only: bool = False,
-                   deterministic: bool = False) -> Kernel:
+                   deterministic: bool = False, score: ScoreVariant = PLAIN) -> Kernel:
         """The compiled kernel for these tensors. Hot path: one dict lookup keyed by exact shapes,
         strides and 16-byte alignment; everything else happens once per key.
         o: the fourth tensor a kernel reads or writes: the output (fwd), dO (bwd).
         own_only: autoflash's own kernels only (the caller needs the log-sum-exp, or a causal
         alignment other than top-left): a vendor winner is passed over for the best own one.
-        deterministic: a variant whose results are bitwise repeatable (`deterministic_variant`)."""
+        deterministic: a variant whose results are bitwise repeatable (`deterministic_variant`).
+        score: the attention variants (forward only): their own problem key, winners and kernels."""
+        own_only = own_only or deterministic or not score.plain  # (no vendor kernel computes them)
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
         key = (op, causal, q.dtype, q.device, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(),
-               aligned, own_only, deterministic)
+               aligned, own_only, deterministic) + ((score,) if score.key else ())
         kernel = self.kernels.get(key)
         if kernel is None:
             device_index = q.device.index if q.is_cuda else None
             device = gpu_fingerprint(device_index)
-            problem = self.problem_for(q, k, causal, op, device.sm_count)
+            problem = self.problem_for(q, k, causal, op, device.sm_count, score)
             with self._lock:
-                if os.environ.get("AUTOFLASH_RECORD"):
+                if os.environ.get("AUTOFLASH_RECORD") and score.plain:  # (shape sets hold plain problems)
                     self._record(q, k, problem)
                 tune = (problem.key not in self.winners(device, device_index).rows
                         and self._claim_tune_on_miss(problem, q))
@@ -170,8 +177,8 @@ class Dispatcher:
             with self._lock:
                 if len(self.kernels) > 4096:  # many distinct shapes: keep the table bounded
                     self.kernels.clear()
-                variant = self.variant_for(problem, device, device_index, own_only or deterministic)
-                kernel = codegen.load(deterministic_variant(variant, problem, device) if deterministic else variant)
+                kernel = self._load(self.variant_for(problem, device, device_index, own_only), problem, device,
+                                    deterministic)
                 if kernel.vendor and kernel.unsupported(q, k, v, o):  # e.g. a GPU winner, CPU tensors
                     kernel = codegen.load(self.variant_for(problem, device, device_index, own_only=True))
                 kernel = self._servable(kernel, problem, device, q, k, v, o, deterministic)
@@ -180,7 +187,7 @@ class Dispatcher:
         return kernel
 
     def varlen_kernel_for(self, q, k, v, o, causal: bool, op: str, max_seqlen_q: int, max_seqlen_k: int,
-                          deterministic: bool = False) -> Kernel:
+                          deterministic: bool = False, score: ScoreVariant = PLAIN) -> Kernel:
         """The kernel for packed variable-length sequences. q, k, v, o: (1, H, total, D) views of the
         packed tensors (o: the output or dO). The problem is the dense one of the longest sequences
         with the packed tokens' work; its winner serves when its family takes packed sequences,
@@ -192,8 +199,8 @@ class Dispatcher:
         device = gpu_fingerprint(device_index)
         work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
         key = ("varlen", op, causal, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[3], work,
-               *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q),
-               seqlen_bucket(max_seqlen_k), deterministic)
+               *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
+               deterministic, score)
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
@@ -201,11 +208,11 @@ class Dispatcher:
                     self.kernels.clear()
                 problem = Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                                   gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(max_seqlen_q),
-                                  seqlen_k=seqlen_bucket(max_seqlen_k), work=work)
-                variant = self.variant_for(problem, device, device_index, own_only=True)
-                if not codegen.load(variant).supports_varlen:
-                    variant = default_variant(op, problem, device)
-                kernel = codegen.load(deterministic_variant(variant, problem, device) if deterministic else variant)
+                                  seqlen_k=seqlen_bucket(max_seqlen_k), work=work, score_variant=score.key or None)
+                kernel = self._load(self.variant_for(problem, device, device_index, own_only=True), problem, device,
+                                    deterministic)
+                if not kernel.supports_varlen:
+                    kernel = self._load(default_variant(op, problem, device), problem, device, deterministic)
                 kernel = self._servable(kernel, problem, device, q, k, v, o, deterministic)
                 if not kernel.supports_varlen:  # (the pointer twin of a default is in the same family)
                     raise InvalidVariant(f"no {op} kernel takes packed sequences: {kernel}")
@@ -236,7 +243,21 @@ class Dispatcher:
                               RuntimeWarning, stacklevel=4)
 
     @staticmethod
-    def _servable(kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k, v, o,
+    def _load(variant: Variant, problem: Problem, device: GPUFingerprint, deterministic: bool = False) -> Kernel:
+        """The variant's kernel (with its family's deterministic knobs when asked: `deterministic_variant`),
+        rendered with the problem's attention variants; where its family computes none (a winner of
+        another family, e.g. the Gluon forward), the op's default."""
+        if deterministic:
+            variant = deterministic_variant(variant, problem, device)
+        score = ScoreVariant.from_key(problem.score_variant)
+        if score.plain:
+            return codegen.load(variant)
+        if not load_space(variant.family).vendor and families.host_class(variant.family).serves_score_variants:
+            return codegen.load(variant, score=score)
+        return codegen.load(default_variant(problem.op, problem, device), score=score)
+
+    @classmethod
+    def _servable(cls, kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k, v, o,
                   deterministic: bool = False) -> Kernel:
         """The kernel itself when it takes these tensors; else its pointer-load twin in the same
         family, else the op's default family's pointer variant (which takes any strides)."""
@@ -249,8 +270,8 @@ class Dispatcher:
                 continue
             # (warp specialization is offered only with TMA loads)
             no_ws = {"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in space.knobs else {}
-            twin = space.nearest_valid(variant.replace(LOADS="pointer", **no_ws), problem, device)
-            twin = codegen.load(deterministic_variant(twin, problem, device) if deterministic else twin)
+            twin = cls._load(space.nearest_valid(variant.replace(LOADS="pointer", **no_ws), problem, device), problem,
+                             device, deterministic)
             if twin.unsupported(q, k, v, o) is None:
                 return twin
         raise InvalidVariant(f"no kernel of {problem.op} takes these tensors: {kernel.unsupported(q, k, v, o)}")

@@ -2,9 +2,11 @@
 
 Sliding windows, logit softcaps, ALiBi slopes, attention sinks, additive biases and masks, dropout
 and flash-attn's deterministic backward arrive through the drop-ins (flash-attn's arguments,
-transformers' attention keywords). Until the kernels serve them, the calls that use them run here,
-with one `FallbackWarning` per reason (`AUTOFLASH_STRICT=1`: a `FallbackError`): never the answer
-without the argument.
+transformers' attention keywords). The forward kernel computes windows, softcaps, ALiBi and per-head
+sinks in calls that need no gradient (`autoflash.variant_forward`); the calls the kernels do not
+serve (those variants with autograd, biases, masks with a variant, dropout, decoding with a variant)
+run here, with one `FallbackWarning` per reason (`AUTOFLASH_STRICT=1`: a `FallbackError`): never the
+answer without the argument.
 
 Semantics (flash-attn's, which transformers' eager attention shares), on (B, H, N, D) tensors:
     s = q.k * scale;  s = softcap * tanh(s / softcap) if softcap;  s += bias + alibi

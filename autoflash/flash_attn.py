@@ -3,9 +3,10 @@
 positionally), and `flash_attn_heads_first` for layers that hold (B, H, N, D) views.
 
 Semantics are flash-attn's: causal and windows aligned bottom-right (query i sits at key position
-i + seqlen_k - seqlen_q), GQA/MQA by head groups. What the kernels compute (no window, no softcap, no
-ALiBi) runs on them; the rest runs in torch (`autoflash.eager`, or torch SDPA for plain dropout) with
-one `FallbackWarning` per reason, never without the argument.
+i + seqlen_k - seqlen_q), GQA/MQA by head groups. What the kernels compute runs on them: plain attention
+always, windows, softcaps and ALiBi in calls that need no gradient (`autoflash.variant_forward`); the
+rest runs in torch (`autoflash.eager`, or torch SDPA for plain dropout) with one `FallbackWarning` per
+reason, never without the argument.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import math
 
 import torch
 
-from autoflash import api
+from autoflash import api, variant_forward
 from autoflash.eager import eager_attention
 from autoflash.fallback import fall_back
 from autoflash.kernel_cache import KernelCacheError
 from autoflash.reference import sdpa_attention
+from autoflash.score_variant import ScoreArgs
 from autoflash.validate import (check_alibi, check_flag, check_heads, check_numbers, check_softcap, check_tensors,
                                 check_window, deterministic_backward, needs_autograd, unsupported_reason)
 
@@ -38,10 +40,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         causal: causal mask aligned bottom-right, as flash-attn: query i sees keys
             j <= i + seqlen_k - seqlen_q; a query row that sees no key returns 0
         window_size: (left, right): query i sees keys in [i + seqlen_k - seqlen_q - left,
-            i + seqlen_k - seqlen_q + right], -1 unbounded (a window that binds runs in torch)
-        softcap: > 0 caps the scaled scores as softcap * tanh(s / softcap) (runs in torch)
+            i + seqlen_k - seqlen_q + right], -1 unbounded
+        softcap: > 0 caps the scaled scores as softcap * tanh(s / softcap)
         alibi_slopes: (nheads,) or (batch_size, nheads) float32: adds -slope * |i + seqlen_k - seqlen_q - j|
-            to the scores (runs in torch)
+            to the scores
+            (window, softcap and ALiBi run on the kernels in calls that need no gradient, in torch otherwise)
         deterministic: a bitwise repeatable backward (a backward variant without float32 atomics;
             torch.use_deterministic_algorithms(True) asks for it too)
         return_attn_probs: also return the log-sum-exp (flash-attn's testing output)
@@ -153,7 +156,12 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
                 if used]
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if variants:
-        fall_back(f"{', '.join(variants)} (not served by the kernels yet)", to="torch (autoflash.eager)")
+        score, why = ScoreArgs(window, softcap, alibi_slopes), "not served by the kernels yet"
+        if not score.variant.plain:  # forward-only calls: the generated forward kernel computes them
+            served, why = variant_forward.serve(q, k, v, dropout_p, scale, causal, offset, score, training)
+            if served is not None:
+                return served
+        fall_back(f"{', '.join(variants)} ({why})", to="torch (autoflash.eager)")
         return eager_attention(q, k, v, scale=sm_scale, causal=causal, offset=offset, window=window, softcap=softcap,
                                alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     reason = unsupported_reason(q, k, v, None, dropout_p, scale, training=training)

@@ -13,6 +13,8 @@ import math
 import numbers
 import re
 
+from autoflash.score_variant import ScoreVariant
+
 OPS = ("fwd", "bwd", "decode")
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
@@ -25,7 +27,7 @@ GQA_GROUP_MAX = 1 << 16
 WORK_TILE_ROWS = 128
 WORK_MIN, WORK_MAX = -6, 10
 _KEY = re.compile(r"(?P<op>[a-z]+)/(?P<dtype>[a-z0-9]+)/d(?P<d>-?\d+)/(?P<c>causal|full)/g(?P<g>-?\d+)"
-                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?(?:/p(?P<p>-?\d+))?")
+                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?(?:/p(?P<p>-?\d+))?(?:/(?P<s>[a-z+]+))?")
 
 
 def unsupported_head_dim(d: int) -> str | None:
@@ -103,6 +105,10 @@ class Problem:
     # decode only: the paged KV cache's block size (tokens per page); None: a contiguous cache.
     # Keys and rows made before it existed are contiguous problems.
     page: int | None = None
+    # fwd only: the attention variants the kernel computes (a `ScoreVariant.key` such as
+    # "window+softcap"; each combination is its own kernel, tuned and served on its own). None: plain
+    # attention, as every key made before variants existed.
+    score_variant: str | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -121,6 +127,12 @@ class Problem:
             if self.op != "decode":
                 raise ValueError(f"page (a paged KV cache's block size) is a decode key, not {self.op!r}")
             _check_int("page", self.page, 1, SEQLEN_BUCKET_MAX)
+        if self.score_variant is not None:
+            if self.op != "fwd":
+                raise ValueError(f"score_variant (attention variants) is a forward key, not {self.op!r}")
+            if not isinstance(self.score_variant, str) or ScoreVariant.from_key(self.score_variant).key != \
+                    self.score_variant or not self.score_variant:
+                raise ValueError(f"score_variant must be a non-empty ScoreVariant key, got {self.score_variant!r}")
 
     @property
     def key(self) -> str:
@@ -128,8 +140,9 @@ class Problem:
         c = "causal" if self.causal else "full"
         work = "" if self.work is None else f"/w{self.work}"
         page = "" if self.page is None else f"/p{self.page}"
+        score = "" if self.score_variant is None else f"/{self.score_variant}"
         return (f"{self.op}/{self.dtype}/d{self.head_dim}/{c}/g{self.gqa_group}"
-                f"/q{self.seqlen_q}/k{self.seqlen_k}{work}{page}")
+                f"/q{self.seqlen_q}/k{self.seqlen_k}{work}{page}{score}")
 
     @classmethod
     def from_key(cls, key: str) -> "Problem":
@@ -140,12 +153,13 @@ class Problem:
         m = _KEY.fullmatch(key)
         if m is None:
             raise ValueError(f"malformed problem key {key!r}: expected "
-                             "'op/dtype/d<head_dim>/causal|full/g<gqa>/q<bucket>/k<bucket>[/w<work>][/p<page>]'")
+                             "'op/dtype/d<head_dim>/causal|full/g<gqa>/q<bucket>/k<bucket>[/w<work>][/p<page>]"
+                             "[/<score variant, e.g. window+softcap>]'")
         try:
             problem = cls(op=m["op"], dtype=m["dtype"], head_dim=int(m["d"]), causal=(m["c"] == "causal"),
                           gqa_group=int(m["g"]), seqlen_q=int(m["q"]), seqlen_k=int(m["k"]),
                           work=None if m["w"] is None else int(m["w"]),
-                          page=None if m["p"] is None else int(m["p"]))
+                          page=None if m["p"] is None else int(m["p"]), score_variant=m["s"])
         except ValueError as e:
             raise ValueError(f"invalid problem key {key!r}: {e}") from None
         if problem.key != key:  # e.g. leading zeros: one problem, one key

@@ -14,6 +14,7 @@ import jinja2
 
 from autoflash import families, resources
 from autoflash.kernel_cache import kernel_cache_dir
+from autoflash.score_variant import PLAIN, ScoreVariant
 from autoflash.space import Variant, load_space
 
 
@@ -90,18 +91,19 @@ def check_template(template_file: str | os.PathLike) -> jinja2.Template:
         raise TemplateError(f"{template_file}: not a text file ({e.reason} at byte {e.start})") from None
 
 
-def render(variant: Variant, template_file: str | os.PathLike | None = None) -> str:
+def render(variant: Variant, template_file: str | os.PathLike | None = None, score: ScoreVariant = PLAIN) -> str:
     """The Triton source of one variant. Only declared knob values ever reach the template.
     template_file: render from this template instead of the package's (knobs it does not read are
-    ignored; a knob it reads that the variant lacks is an error)."""
+    ignored; a knob it reads that the variant lacks is an error). score: the attention variants the
+    kernel computes (`score_variant`; SCORE in the templates); the plain kernel renders as it did
+    before they existed."""
     checked = load_space(variant.family).check_declared(variant.as_dict())
+    # (FAMILY and KNOBS_JSON: the header of the rendered module says which variant it is)
+    context = dict(**checked.as_dict(), FAMILY=checked.family, KNOBS_JSON=checked.json(), SCORE=score)
     if template_file is None:
-        template = _environment().get_template(_template_name(variant.family))
-        # (FAMILY and KNOBS_JSON: the header of the rendered module says which variant it is)
-        return template.render(**checked.as_dict(), FAMILY=checked.family, KNOBS_JSON=checked.json())
+        return _environment().get_template(_template_name(variant.family)).render(**context)
     try:
-        return check_template(template_file).render(**checked.as_dict(), FAMILY=checked.family,
-                                                    KNOBS_JSON=checked.json())
+        return check_template(template_file).render(**context)
     except jinja2.TemplateError as e:  # (StrictUndefined: a knob the variant lacks, a bad filter, ...)
         line = next((f", line {tb.tb_lineno}" for tb in _frames(e.__traceback__)
                      if tb.tb_frame.f_code.co_filename == "<template>"), "")
@@ -114,16 +116,20 @@ def _frames(tb):
         tb = tb.tb_next
 
 
-def variant_hash(variant: Variant, template_file: str | os.PathLike | None = None) -> str:
+def variant_hash(variant: Variant, template_file: str | os.PathLike | None = None, score: ScoreVariant = PLAIN) -> str:
     thash = template_hash(variant.family) if template_file is None else _source_hash(
         pathlib.Path(template_file).read_text(encoding="utf-8"))
-    return hashlib.sha256(f"{thash}:{variant.json()}".encode()).hexdigest()[:20]
+    scored = f":{score.key}" if score.key else ""  # (a plain kernel's hash as before the variants)
+    return hashlib.sha256(f"{thash}:{variant.json()}{scored}".encode()).hexdigest()[:20]
 
 
-def source_path(variant: Variant, template_file: str | os.PathLike | None = None) -> pathlib.Path:
-    """<family>-<op>-<knob values>-<hash>.py: what a traceback or a profile shows says which kernel."""
-    return kernel_cache_dir() / f"{variant.family}-{variant.op}-{readable_knobs(variant)}-" \
-                                f"{variant_hash(variant, template_file)[:12]}.py"
+def source_path(variant: Variant, template_file: str | os.PathLike | None = None,
+                score: ScoreVariant = PLAIN) -> pathlib.Path:
+    """<family>-<op>-<knob values>[-<score variant>]-<hash>.py: what a traceback or a profile shows says
+    which kernel."""
+    scored = f"-{score.key.replace('+', '_')}" if score.key else ""
+    return kernel_cache_dir() / f"{variant.family}-{variant.op}-{readable_knobs(variant)}{scored}-" \
+                                f"{variant_hash(variant, template_file, score)[:12]}.py"
 
 
 # Short names of the common knobs in kernel file names (the others: their value, a true flag its name).

@@ -67,7 +67,8 @@ class Evidence:
             if not entry.complete:
                 continue
             p = Problem.from_key(key)
-            if (p.op, p.dtype, p.causal, p.page) != (problem.op, problem.dtype, problem.causal, problem.page):
+            if (p.op, p.dtype, p.causal, p.page, p.score_variant) != (problem.op, problem.dtype, problem.causal,
+                                                                       problem.page, problem.score_variant):
                 continue
             distance = distance_between(p, problem)
             if distance < best_distance or (distance == best_distance and key < best[0]):
@@ -95,7 +96,7 @@ def cudnn_variant(problem: Problem, device) -> Variant | None:
     """SDPA-cuDNN (its whole training pair for a backward problem) where it is a valid candidate for
     this problem on this device (a GPU, half precision), else None."""
     family = VENDOR_FAMILIES.get(problem.op)
-    if family is None:
+    if family is None or problem.score_variant is not None:  # (SDPA computes no attention variants)
         return None
     space = load_space(family)
     knobs = {"BACKEND": "cudnn", **({"FORWARD": "sdpa", "BACKWARD": "sdpa"} if problem.op == "bwd" else {})}

@@ -7,11 +7,12 @@ sequence's bounds from cu_seqlens and exits when its tile starts past that seque
 (the triton_fwd and triton_bwd families, `VARLEN`). The kernel is the winner of the
 dense problem of the longest sequence (its own family, else the default one: `Dispatcher.varlen_kernel_for`).
 
-Calls the kernels do not take (a dtype, device or head dim they do not support, a non-positive
-scale, dropout, a window, softcap, ALiBi) run sequence by sequence through `flash_attn_func`, which
-runs them in torch with one warning per reason (`AUTOFLASH_STRICT=1`: an error). A deterministic
-backward runs on the packed kernels, in a variant without float32 atomics. A paged K/V
-(`block_table`) is gathered into packed tensors first.
+Windows, softcaps and ALiBi in calls that need no gradient run in one launch of the forward kernel
+rendered with them (`autoflash.variant_forward`). Calls the kernels do not take (a dtype, device or
+head dim they do not support, a non-positive scale, dropout, those variants with autograd) run
+sequence by sequence through `flash_attn_func`, which runs them in torch with one warning per reason
+(`AUTOFLASH_STRICT=1`: an error). A deterministic backward runs on the packed kernels, in a variant
+without float32 atomics. A paged K/V (`block_table`) is gathered into packed tensors first.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import math
 
 import torch
 
+from autoflash import variant_forward
 from autoflash.decode_validate import validate_varlen
 from autoflash.dispatch import get_dispatcher
 from autoflash.flash_attn import flash_attn_func
+from autoflash.score_variant import ScoreArgs
 from autoflash.training import first_order
 from autoflash.validate import (check_alibi, check_flag, check_numbers, check_softcap, check_window,
                                 deterministic_backward, needs_autograd, unsupported_reason)
@@ -182,11 +185,17 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, caus
     if q.shape[0] == 0 or k.shape[0] == 0:
         lse = q.new_full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32) if return_lse else None
         return _NoAttention.apply(q, k, v), lse
+    longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+    longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    if extras and not (extras["dropout_p"] or needs_autograd(q, k, v)):
+        score = ScoreArgs(extras["window_size"], extras["softcap"], extras["alibi_slopes"])
+        served, _why = variant_forward.serve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, longest_q, longest_k,
+                                                    softmax_scale, causal, score)
+        if served is not None:  # (else sequence by sequence: flash_attn_func says why, once per reason)
+            return served[0], (served[1] if return_lse else None)
     if extras or not _kernels_take(q, k, v, softmax_scale):
         return _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal, {**extras, "deterministic": deterministic},
                              return_lse)
-    longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-    longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     # The grid spans the longest sequences actually present (max_seqlen_* may be larger).
     out, lse = VarlenAttention.apply(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest_q,

@@ -85,6 +85,8 @@ class WinnerTable:
                 if row["template_hash"] != codegen.template_hash(family) and isinstance(knobs, dict):
                     knobs = {**space.legacy, **knobs}  # a row of an earlier space or template (`replaces`)
                 variant = space.validate(knobs, problem, self.device)
+                if problem.score_variant and not serves_score_variants(family):
+                    raise InvalidVariant(f"{family} computes no attention variants ({problem.score_variant})")
             except (InvalidVariant, ValueError, KeyError, TypeError) as e:
                 warnings.warn(f"autoflash: rejected winner for {row.get('problem')!r} in {path}: {e}",
                               RuntimeWarning, stacklevel=2)
@@ -119,9 +121,10 @@ class WinnerTable:
         best, best_distance = None, math.inf
         for key, variant in rows.items():
             p = Problem.from_key(key)
-            if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group, p.page) != (
-                    problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group, problem.page):
-                continue  # (a paged cache's block size is never bridged: its winner is another kernel's)
+            if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group, p.page, p.score_variant) != (
+                    problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group, problem.page,
+                    problem.score_variant):
+                continue  # (a paged cache's block size, or attention variants, are never bridged: another kernel)
             work = work_distance(p.work, problem.work)
             if p.work is not None and work > NEAREST_WORK_MAX:
                 continue  # another occupancy regime: the shape's default beats a big-batch winner
@@ -132,6 +135,13 @@ class WinnerTable:
         if best is None:
             return None, "default", None
         return best[1], f"nearest ({best[0]})", origins[best[0]]
+
+
+def serves_score_variants(family: str) -> bool:
+    """Whether the family renders attention variants (`score_variant`) into its kernels."""
+    from autoflash import families
+
+    return not load_space(family).vendor and families.host_class(family).serves_score_variants
 
 
 # A winner serves a problem of another occupancy bucket at most this many buckets (factors of 2 in

@@ -124,8 +124,12 @@ def test_windows_against_the_reference(window, causal):
 
 def test_a_window_that_binds_is_never_dropped_silently(strict):
     q = rand(1, 9, 2, 16, seed=4)
+    # Forward only: the kernel computes the window (no fallback, even under strict mode).
+    out = autoflash.flash_attn_func(q, q, q, 0.0, None, False, (2, 2))
+    assert close(out, reference(q, q, q, 16 ** -0.5, False, (2, 2))[0])
+    # With a gradient to compute: the backward kernels have no windows yet, torch serves it, never silently.
     with pytest.raises(FallbackError, match="window_size"):
-        autoflash.flash_attn_func(q, q, q, 0.0, None, False, (2, 2))
+        autoflash.flash_attn_func(q.clone().requires_grad_(), q, q, 0.0, None, False, (2, 2))
     # A window that excludes no key, and right == 0 (causality), stay on the kernels even under strict mode.
     out = autoflash.flash_attn_func(q, q, q, 0.0, None, False, (100, -1))
     assert close(out, reference(q, q, q, 16 ** -0.5)[0])

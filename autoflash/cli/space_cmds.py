@@ -72,7 +72,9 @@ def complete_variant(sp, given: dict, prob, device):
 @click.option("--variant", "variant_json", default="{}", show_default=True,
               help="Variant as JSON; knobs left out come from the built-in default, or, where the default's "
                    "values do not fit the given knobs, from the nearest valid variant that has them.")
-def render(op, dtype, head_dim, causal, gqa_group, variant_json):
+@click.option("--score", "score_key", default="", metavar="VARIANTS",
+              help="Attention variants to render in, '+'-joined: window, softcap, alibi, sinks (forward only).")
+def render(op, dtype, head_dim, causal, gqa_group, variant_json, score_key):
     """Print the generated Triton source of one variant.
 
     The variant is checked against the declared space and its constraints for the given problem
@@ -80,9 +82,11 @@ def render(op, dtype, head_dim, causal, gqa_group, variant_json):
 
     Example: autoflash render --op fwd --variant '{"BLOCK_M": 64, "LOADS": "pointer"}'
     Example: autoflash render --op bwd --gqa-group 4 --variant '{"GQA_SPLIT": 4}'
+    Example: autoflash render --op fwd --causal --score window+softcap
     """
-    from autoflash import codegen
+    from autoflash import codegen, families
     from autoflash.device import gpu_fingerprint
+    from autoflash.score_variant import ScoreVariant
     from autoflash.space import InvalidVariant, load_space, parse_variant_json
 
     device = gpu_fingerprint()
@@ -95,4 +99,10 @@ def render(op, dtype, head_dim, causal, gqa_group, variant_json):
     if filled:
         click.echo("note: knobs not given taken from the nearest valid variant: "
                    + ", ".join(f"{k}={json.dumps(v)}" for k, v in filled.items()), err=True)
-    click.echo(codegen.render(variant), nl=False)
+    try:
+        score = ScoreVariant.from_key(score_key)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--score'") from None
+    if not score.plain and not families.host_class(variant.family).serves_score_variants:
+        raise click.BadParameter(f"{variant.family} computes no attention variants", param_hint="'--score'")
+    click.echo(codegen.render(variant, score=score), nl=False)

@@ -7,7 +7,9 @@ classes below: grid, `supports`, TMA descriptor set-up, the keyword-argument lau
 winners are this family's kernels unchanged (see `autoflash.families.replaced_hashes`).
 
 A host object serves one variant: `knobs` are its validated knob values, `kernels` the module
-rendered from the template for them. A launch works on the caller's current stream; it may put
+rendered from the template for them, `score` the attention variants rendered into it
+(`autoflash.score_variant`; plain unless the family `serves_score_variants`, whose launches then take
+the call's `ScoreArgs`). A launch works on the caller's current stream; it may put
 kernels on a stream of its own if each run of them first waits for the caller's stream, the
 caller's stream waits for them only when `launch` returns (also when it raises), and nothing on the
 caller's stream reads what they write before that: the order `replay` reproduces for a bound
@@ -21,6 +23,8 @@ import abc
 from types import ModuleType
 from typing import ClassVar
 
+from autoflash.score_variant import PLAIN, ScoreVariant
+
 # CUDA caps grid axes 1 and 2 at 65535 programs.
 MAX_GRID_AXIS = 65535
 
@@ -31,10 +35,14 @@ class Family(abc.ABC):
     name: ClassVar[str]  # the family's name (its folder, its key in `space.FAMILIES`)
     op: ClassVar[str]  # "fwd" | "bwd" | "decode"
     supports_varlen: ClassVar[bool] = False  # `launch_varlen` takes packed variable-length sequences
+    serves_score_variants: ClassVar[bool] = False  # renders and launches `score_variant` hooks
 
-    def __init__(self, knobs: dict, kernels: ModuleType):
+    def __init__(self, knobs: dict, kernels: ModuleType, score: ScoreVariant = PLAIN):
+        if not score.plain and not self.serves_score_variants:
+            raise ValueError(f"{self.name} computes no attention variants (asked for {score.key!r})")
         self.knobs = dict(knobs)
         self.kernels = kernels
+        self.score = score
 
     @property
     def uses_tma(self) -> bool:
@@ -52,15 +60,17 @@ class ForwardFamily(Family):
 
     @abc.abstractmethod
     def launch(self, *, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int,
-               compile_only: bool = False) -> None:
+               compile_only: bool = False, score_args=None) -> None:
         """q, o: (B, H, N_Q, D) views; k, v: (B, H_kv, N_K, D) views; lse: (B, H, N_Q) float32 (any
-        strides), written in place. causal_offset: key j is visible to query i iff j <= i + causal_offset.
-        compile_only: build (or fetch from Triton's cache) the binary for these argument types, no launch."""
+        strides), written in place. causal_offset: key j is visible to query i iff j <= i + causal_offset
+        (and the position query i sits at for windows and ALiBi).
+        compile_only: build (or fetch from Triton's cache) the binary for these argument types, no launch.
+        score_args: the values of the `score` variants (`score_variant.ScoreArgs`; None: plain)."""
 
     def launch_varlen(self, *, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
-                      causal: bool, compile_only: bool = False) -> None:
+                      causal: bool, compile_only: bool = False, score_args=None) -> None:
         """Packed sequences: q, o (total_q, H, D); k, v (total_k, H_kv, D); lse (H, total_q) float32;
-        cu_seqlens int32 (B + 1,). Causal is bottom-right per sequence."""
+        cu_seqlens int32 (B + 1,). Causal (and windows, ALiBi) bottom-right per sequence."""
         raise NotImplementedError(f"{self.name} takes no packed sequences")
 
 

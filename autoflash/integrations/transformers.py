@@ -12,17 +12,19 @@ own flash-attention / hub loader, which fails for a registered function.
 The mask function is transformers' SDPA mask: it returns None for a plain causal (or full) batch,
 and then the kernels run causal attention themselves (a prefill into an empty static cache, the one
 unmasked call with more keys than queries, has its empty slots cut off first, as transformers' own
-SDPA path does); with padding (or a sliding window that binds) it returns
-a boolean mask, and that call goes to torch through autoflash's fallback (one warning; an error
-under AUTOFLASH_STRICT=1). Causality is never dropped.
+SDPA path does). A sliding window that binds gets no mask either where, without padding, it is
+flash-attn's bottom-right window (`window_mask`): the `sliding_window` keyword then reaches the kernels.
+With padding it returns a boolean mask, and that call goes to torch through autoflash's fallback (one
+warning; an error under AUTOFLASH_STRICT=1). Causality is never dropped.
 
 Every keyword transformers' models pass to an attention function (transformers 5.17-5.25: read
 from their `attention_interface(...)` calls) is served, or known not to change the result
 (`HARMLESS`): `scaling`, `dropout`, `is_causal`, `sliding_window`, `softcap` (Gemma-2), `s_aux` /
 `sinks` (gpt-oss's learned sinks, per-query sinks), `position_bias` (an additive bias),
-`deterministic`, and packed sequences as `cu_seq_lens_q/k` (+ `max_length_q/k`). Variants the
-kernels do not compute yet run in torch (`autoflash.eager`, transformers' eager semantics) with one
-warning. Any other keyword with a value is never dropped silently: one warning, an error under
+`deterministic`, and packed sequences as `cu_seq_lens_q/k` (+ `max_length_q/k`). Sliding windows,
+softcaps and per-head sinks run on the forward kernel in calls that need no gradient (inference,
+`autoflash.variant_forward`); the rest (their backward, a position bias, a mask with a variant) runs
+in torch (`autoflash.eager`, transformers' eager semantics) with one warning. Any other keyword with a value is never dropped silently: one warning, an error under
 AUTOFLASH_STRICT=1.
 """
 
@@ -31,9 +33,11 @@ from __future__ import annotations
 import torch
 
 import autoflash
+from autoflash import variant_forward
 from autoflash.eager import eager_attention
 from autoflash.fallback import fall_back, ignored
-from autoflash.flash_attn import flash_attn_func, flash_attn_heads_first
+from autoflash.flash_attn import binding_window, flash_attn_func, flash_attn_heads_first
+from autoflash.score_variant import ScoreArgs
 from autoflash.validate import needs_autograd
 
 NAME = "triton_autotuned"
@@ -79,11 +83,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         return out[None], None
     if documents is not None:  # the documents as a mask: each query sees the keys of its own document
         attention_mask = _document_mask(*documents, query.shape[2], key.shape[2], causal)
+    why = "not served by the kernels yet"
+    if sinks is not None and position_bias is None and attention_mask is None:  # gpt-oss: per-head sinks
+        n_q, n_k = query.shape[2], key.shape[2]
+        window_, causal_ = binding_window(window, causal, n_q, n_k)
+        served, why = variant_forward.serve(query, key, value, dropout, scaling, causal_, n_k - n_q,
+                                            ScoreArgs(window_, softcap or 0.0, None, sinks),
+                                            needs_autograd(query, key, value, sinks))
+        if served is not None:
+            return served[0].transpose(1, 2).contiguous(), None
     if sinks is not None or position_bias is not None or (attention_mask is not None and (
             softcap or deterministic or window != (-1, -1))):
         used = [n for n, v in (("sinks", sinks), ("position_bias", position_bias), ("softcap", softcap)) if v is not None]
-        fall_back(f"{', '.join(used) or 'a mask with a variant'} (not served by the kernels yet)",
-                  to="torch (autoflash.eager)")
+        fall_back(f"{', '.join(used) or 'a mask with a variant'} ({why})", to="torch (autoflash.eager)")
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         out, _ = eager_attention(query, key, value, scale=scale, causal=causal and attention_mask is None,
                                  offset=key.shape[2] - query.shape[2], window=window, softcap=softcap or 0.0,
@@ -135,13 +147,31 @@ def _document_mask(cu_q, cu_k, n_q: int, n_k: int, causal: bool):
     return mask
 
 
+def window_mask(batch_size, q_length, kv_length, *args, local_size=None, **kwargs):
+    """transformers' SDPA mask, but None where it is exactly flash-attn's bottom-right causal sliding
+    window of `local_size` keys over every batch entry (no padding, no other pattern), in a prefill
+    (as many queries as keys) or a one-token decoding step: the attention function then computes the
+    window from its `sliding_window` keyword, on the kernels (the same contract as transformers'
+    flash-attention path). Anything else, the mask as transformers builds it."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(batch_size, q_length, kv_length, *args, local_size=local_size, **kwargs)
+    if (mask is None or local_size is None or q_length not in (1, kv_length) or mask.dtype != torch.bool
+            or torch.compiler.is_compiling()):
+        return mask
+    i = torch.arange(q_length, device=mask.device)[:, None] + (kv_length - q_length)
+    j = torch.arange(kv_length, device=mask.device)[None, :]
+    flash_window = (j <= i) & (j > i - local_size)
+    return None if mask.shape[-2:] == flash_window.shape and bool((mask == flash_window).all()) else mask
+
+
 def register(name: str = NAME) -> str:
     """Register autoflash with transformers; returns the `attn_implementation` name to use."""
     if "flash" in name:
         raise ValueError(f"{name!r} contains 'flash': transformers would route it to its own flash-attention loader")
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, window_mask)
     return name

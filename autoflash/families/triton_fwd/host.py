@@ -1,6 +1,7 @@
 """The Triton forward family's host side: grid, argument set-up and the launch of `_attn_fwd`
 (kernel.py.jinja). Knobs that shape the device code are rendered into it; the ones read here are the
-tile sizes, launch options and the grid order."""
+tile sizes, launch options and the grid order. The attention variants (`autoflash.score_variant`) are
+rendered into it too; their values go to the launch as the kernel's variant parameters."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import triton
 
 from autoflash.families._shared.triton_launch import dot_precision, head_block
 from autoflash.families.base import MAX_GRID_AXIS, ForwardFamily
+from autoflash.score_variant import NO_SCORE_ARGS
 
 
 class TritonForward(ForwardFamily):
     name = "triton_fwd"
     supports_varlen = True
+    serves_score_variants = True
     max_grid_axis = MAX_GRID_AXIS  # (a test lowers it to exercise the split launches)
 
     def grid(self, batch: int, heads: int, n_q: int) -> tuple[int, int]:
@@ -21,27 +24,28 @@ class TritonForward(ForwardFamily):
             return (blocks_m, batch * heads)
         return (batch * heads, blocks_m)
 
-    def launch(self, *, q, k, v, o, lse, sm_scale, causal, causal_offset, compile_only=False):
+    def launch(self, *, q, k, v, o, lse, sm_scale, causal, causal_offset, compile_only=False, score_args=None):
         batch, _heads, n_q, _ = q.shape
         self._launch(q, k, v, o, lse, None, None, lse.stride(0), lse.stride(1), batch, n_q, k.shape[2], sm_scale,
-                     causal, causal_offset, compile_only)
+                     causal, causal_offset, compile_only, score_args or NO_SCORE_ARGS)
 
     def launch_varlen(self, *, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, causal,
-                      compile_only=False):
+                      compile_only=False, score_args=None):
         batch = cu_seqlens_q.shape[0] - 1
         q4, k4, v4, o4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o))  # (1, H, total, D) views
         # A grid axis holds batch x heads programs; CUDA caps axes 1 and 2 at 65535, so a batch of many
         # short sequences runs in several launches, each over a window of cu_seqlens.
         per_launch = max(1, self.max_grid_axis // q.shape[1])
+        score_args = score_args or NO_SCORE_ARGS
         for first in range(0, batch, per_launch):
             self._launch(q4, k4, v4, o4, lse, cu_seqlens_q[first:], cu_seqlens_k[first:], 0, lse.stride(0),
                          min(per_launch, batch - first), max(max_seqlen_q, 1), k.shape[0], sm_scale, causal, 0,
-                         compile_only)
+                         compile_only, score_args.batch_slice(first))
             if compile_only:
                 break
 
     def _launch(self, q, k, v, o, lse, cu_q, cu_k, stride_lz, stride_lh, batch, n_q, n_k, sm_scale, causal,
-                causal_offset, compile_only):
+                causal_offset, compile_only, score_args):
         if not sm_scale > 0:
             raise ValueError(f"the kernels need a positive softmax scale, got {sm_scale}")
         heads, head_dim = q.shape[1], q.shape[3]
@@ -54,6 +58,7 @@ class TritonForward(ForwardFamily):
             q, k, v, o, lse, cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), stride_lz, stride_lh,
             heads, n_q, n_k, heads // k.shape[1], sm_scale, causal_offset,
+            *score_args.kernel_args(self.score),
             HEAD_DIM=head_dim,
             BLOCK_D=head_block(head_dim),
             IS_CAUSAL=causal,

@@ -1,0 +1,115 @@
+"""Attention variants the generated kernels compute: sliding windows, logit softcaps, ALiBi and sinks.
+
+Two halves, as a kernel sees them:
+- `ScoreVariant`: which variants a kernel is rendered with. It decides the device code (a render-time
+  choice: each combination is its own kernel, tuned and served per combination), so it is part of the
+  problem key (`Problem.score_variant`, its `key` below) and of the kernel's file name and hash.
+- `ScoreArgs`: the values of one call (window bounds, the softcap, the slope and sink tensors). They
+  are runtime arguments: a new window size or softcap never compiles a new kernel.
+
+Semantics are flash-attn's (those of `autoflash.eager`, which transformers' eager attention shares),
+with query i at key position i + offset (offset = Nk - Nq: bottom-right):
+    s = q.k * scale;  s = softcap * tanh(s / softcap) if softcap;  s -= slope[b, h] * |i + offset - j|
+    key j is visible iff i + offset - left <= j <= i + offset + right (a bound of -1: unbounded; causal
+    is right = 0), and a sink adds exp(sink[h]) to the softmax's denominator (gpt-oss), the LSE with it.
+
+Torch is not imported here: the problem key (and the space layer under it) reads this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The variants in the order their names appear in a key ("window+softcap").
+FEATURES = ("window", "softcap", "alibi", "sinks")
+# A window bound of -1 (unbounded) goes to the kernel as this reach: further than any sequence, small
+# enough that position + reach stays an int32.
+WINDOW_UNBOUNDED = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreVariant:
+    """Which score variants a kernel is rendered with (all False: the plain kernel, rendered exactly
+    as before variants existed)."""
+
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+
+    @property
+    def key(self) -> str:
+        """The problem key's segment, e.g. 'window+softcap'; '' for the plain kernel."""
+        return "+".join(f for f in FEATURES if getattr(self, f))
+
+    @classmethod
+    def from_key(cls, key: str | None) -> "ScoreVariant":
+        """Parse `key` ('' or None: plain). Unknown, repeated or out-of-order names raise ValueError."""
+        if not key:
+            return PLAIN
+        names = key.split("+")
+        if any(n not in FEATURES for n in names) or names != sorted(set(names), key=FEATURES.index):
+            raise ValueError(f"score variant {key!r}: expected names of {FEATURES} joined by '+', in that order")
+        return cls(**{n: True for n in names})
+
+    @property
+    def plain(self) -> bool:
+        return not (self.window or self.softcap or self.alibi or self.sinks)
+
+    @property
+    def modifies_scores(self) -> bool:
+        """The variant changes score values (not only which keys are visible, or the denominator): the
+        kernel's fused scale-and-max of fully visible tiles cannot be used."""
+        return self.softcap or self.alibi
+
+
+PLAIN = ScoreVariant()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoreArgs:
+    """One call's variant values. window: (left, right), -1 unbounded, aligned bottom-right (query i
+    at key position i + offset); softcap: 0 for none; alibi_slopes: (H,) or (B, H), any float dtype
+    and strides; sinks: (H,), one logit per query head, any float dtype."""
+
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: object = None
+    sinks: object = None
+
+    @property
+    def variant(self) -> ScoreVariant:
+        return ScoreVariant(window=tuple(self.window) != (-1, -1), softcap=self.softcap > 0,
+                            alibi=self.alibi_slopes is not None, sinks=self.sinks is not None)
+
+    def per_batch(self) -> bool:
+        """ALiBi slopes per (batch, head): a launch over a slice of the batch takes the same slice."""
+        return self.alibi_slopes is not None and self.alibi_slopes.dim() == 2
+
+    def batch_slice(self, first: int, last: int | None = None) -> "ScoreArgs":
+        """The arguments of a launch over batch entries [first, last)."""
+        if not self.per_batch():
+            return self
+        return dataclasses.replace(self, alibi_slopes=self.alibi_slopes[first:last])
+
+    def kernel_args(self, variant: ScoreVariant) -> tuple:
+        """The kernel's variant parameters, in their order (`score_params` in _shared/score_parts.jinja:
+        window, softcap, ALiBi, sinks), for a kernel rendered with `variant`; a call whose values are
+        another variant's is a ValueError. Positional, as the kernels' other runtime arguments."""
+        if self.variant != variant:
+            raise ValueError(f"a kernel rendered for score variant {variant.key or 'plain'!r} got the values "
+                             f"of {self.variant.key or 'plain'!r}")
+        args = []
+        if variant.window:
+            args += [WINDOW_UNBOUNDED if w < 0 else min(int(w), WINDOW_UNBOUNDED) for w in self.window]
+        if variant.softcap:
+            args.append(float(self.softcap))
+        if variant.alibi:
+            slopes = self.alibi_slopes  # (a batch stride of 0: one slope per head)
+            args += [slopes, *((slopes.stride(0), slopes.stride(1)) if slopes.dim() == 2 else (0, slopes.stride(0)))]
+        if variant.sinks:
+            args += [self.sinks, self.sinks.stride(0)]
+        return tuple(args)
+
+
+NO_SCORE_ARGS = ScoreArgs()

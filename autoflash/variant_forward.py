@@ -1,0 +1,86 @@
+"""Forward-only calls with attention variants (sliding window, softcap, ALiBi, sinks) on the generated
+forward kernel: what the drop-ins (`flash_attn_func`, `flash_attn_varlen_func`, the transformers
+integration) call when no gradient is needed.
+
+The kernel is the forward family's, rendered with the call's variants (`score_variant`): the
+dispatcher looks its winner up under the problem key with the variants (`Problem.score_variant`),
+else serves the family's default variant for the shape. A call that needs the backward keeps
+running in torch (`autoflash.eager`): the backward kernels compute no variants yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autoflash.dispatch import get_dispatcher
+from autoflash.kernel_cache import KernelCacheError
+from autoflash.problem import LOG2E
+from autoflash.score_variant import ScoreArgs
+from autoflash.validate import unsupported_reason
+
+_FLOAT32_MAX = 3.4e38
+
+
+def unsupported(q, k, v, dropout_p, scale, score: ScoreArgs, training: bool) -> str | None:
+    """Why the forward kernel cannot compute this call's variants, or None. q, k, v: (B, H, N, D)
+    views (or the (1, H, total, D) views of packed tensors)."""
+    if training:
+        return "a differentiable call: the backward kernels compute no attention variants yet"
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile: attention variants have no registered op yet"
+    if reason := unsupported_reason(q, k, v, None, dropout_p, scale):
+        return reason
+    heads = q.shape[1]
+    sinks = score.sinks
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads,)
+                              or not sinks.dtype.is_floating_point or sinks.device != q.device):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        return f"sinks of shape {shape} (the kernels take one float logit per query head, ({heads},), on q's device)"
+    if score.alibi_slopes is not None and not score.alibi_slopes.dtype.is_floating_point:
+        return f"alibi_slopes of dtype {score.alibi_slopes.dtype} (the kernels take float slopes)"
+    if score.softcap > 0:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        if not (sm_scale / score.softcap * 2 * LOG2E < _FLOAT32_MAX and score.softcap * LOG2E < _FLOAT32_MAX):
+            return f"a softcap of {score.softcap!r} with a softmax scale of {sm_scale:.3g} is outside float32's range"
+    return None
+
+
+def serve(q, k, v, dropout_p, scale, causal: bool, offset: int, score: ScoreArgs, training: bool):
+    """((out (B, H, Nq, D) in q's memory layout, lse (B, H, Nq) float32), None) when the kernel computes
+    this call, else (None, why). offset: query i sits at key position i + offset (flash-attn:
+    Nk - Nq), for the causal mask, the window and ALiBi alike."""
+    why = unsupported(q, k, v, dropout_p, scale, score, training)
+    if why is not None:
+        return None, why
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out = torch.empty_like(q)  # q's memory layout: (B, N, H, D) inputs, no copy
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    try:
+        kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True, score=score.variant)
+    except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
+        return None, f"no usable kernel cache ({e})"
+    kernel.forward(q, k, v, out, lse, sm_scale, causal, offset, score_args=score)
+    return (out, lse), None
+
+
+def serve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, longest_q: int, longest_k: int, scale, causal: bool,
+                 score: ScoreArgs):
+    """Packed sequences, validated, forward only: ((out (total_q, H, D), lse (H, total_q)), None) or
+    (None, why). Windows, ALiBi and causality are bottom-right per sequence; (B, H) slopes per sequence."""
+    views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
+    why = unsupported(*views, 0.0, scale, score, training=False)
+    if why is not None:
+        return None, why
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    try:
+        kernel = get_dispatcher().varlen_kernel_for(*views, out.unsqueeze(0).transpose(1, 2), causal, "fwd",
+                                                    longest_q, longest_k, score=score.variant)
+    except KernelCacheError as e:
+        return None, f"no usable kernel cache ({e})"
+    kernel.forward_varlen(q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest_q,
+                          sm_scale, causal, score_args=score)
+    return (out, lse), None

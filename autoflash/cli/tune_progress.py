@@ -45,6 +45,7 @@ class RichReporter:
         self.run = progress.add_task("planning", total=1.0)
         self.step = None
         self.phase = None
+        self.told = set()
         self.summaries = []  # planned.RunSummary of each worker (one here)
 
     def step_started(self, kind, index, total, shape):
@@ -63,7 +64,8 @@ class RichReporter:
         if snapshot.phase != self.phase:
             done = self.phase
             self.phase = snapshot.phase
-            if done in ("seeds", "rounds"):
+            if done in ("seeds", "rounds") and done not in self.told:  # (a pick can give time back to rounds)
+                self.told.add(done)
                 self.progress.console.print(state_table(
                     snapshot, f"after the {PHASES[done]} at {_clock(snapshot.elapsed_s)} "
                               f"(ETA {_clock(snapshot.eta_s)} more)"))

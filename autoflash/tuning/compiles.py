@@ -44,7 +44,13 @@ class Compiling:
     def done(self) -> bool:
         return all(f.done() for f, _ in self._parts)
 
-    def result(self) -> list[Outcome]:
+    def result(self, timeout: float | None = None) -> list[Outcome]:
+        """The outcomes; concurrent.futures.TimeoutError when they take longer than `timeout` seconds
+        (the compiles go on: a later request of the same candidates gets them)."""
+        if timeout is not None:
+            concurrent.futures.wait([f for f, _ in self._parts], timeout=timeout)
+            if not self.done():
+                raise concurrent.futures.TimeoutError()
         out = [f.result()[j] for f, j in self._parts]
         for key, outcome in zip(self._keys, out):
             if outcome.status not in _DETERMINISTIC:

@@ -27,12 +27,20 @@ class RunSummary:
     compiled: int  # variants sent to the compile pool (each binary once)
 
 
+# A compile batch's wall time per family where it differs from the default prior (measured on an
+# H100, Triton 3.6: a Triton batch of 12 variants ~8 s, a Gluon forward batch ~27 s).
+COMPILE_PRIORS_S = {"gluon_sm90_fwd": 27.0}
+
+
 def costs_for(options: TuneOptions) -> Costs:
-    """The planner's priors: measured on an H100 (a Triton compile batch ~8 s, SDPA backends ~3 s a
-    problem); the interpreter compiles nothing and has no vendor candidates."""
+    """The planner's priors, replaced by the run's own measurements as they come: SDPA backends ~3 s a
+    problem and a candidate ~1.5 s (an H100: 27 forward candidates in 37 s); a pick re-times about
+    top_k + 4 methods for `rounds` rounds, each ~3 rep_ms of wall time (spins, flushes). The
+    interpreter compiles nothing and has no vendor candidates."""
     if options.interpret:
         return Costs(vendor_s=0.0, pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5)
-    return Costs()
+    pick_s = 1.0 + (options.top_k + 4) * options.rounds * (3 * options.rep_ms / 1e3 + 0.05)
+    return Costs(pick_s=pick_s, prior_waits=dict(COMPILE_PRIORS_S))
 
 
 def plan_of(ps) -> ProblemPlan:

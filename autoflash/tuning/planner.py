@@ -39,6 +39,7 @@ class Costs:
     per_s: dict = dataclasses.field(default_factory=dict)  # family -> seconds per candidate after it
     prior_wait_s: float = 8.0
     prior_per_s: float = 1.5
+    prior_waits: dict = dataclasses.field(default_factory=dict)  # family -> its own prior wait
 
     def observe(self, kind: str, seconds: float, family: str | None = None) -> None:
         """A measured duration: the first replaces the prior, later ones are averaged in."""
@@ -53,7 +54,7 @@ class Costs:
             setattr(self, seen, True)
 
     def wait(self, family: str) -> float:
-        return self.wait_s.get(family, self.prior_wait_s)
+        return self.wait_s.get(family, self.prior_waits.get(family, self.prior_wait_s))
 
     def per(self, family: str) -> float:
         return self.per_s.get(family, self.prior_per_s)
@@ -136,18 +137,26 @@ class Planner:
     def left(self) -> float:
         return math.inf if self.end is None else self.end - self.clock()
 
-    def reserve_s(self) -> float:
-        """Time kept back for what every problem must still get: its vendor pass and its pick."""
-        vendor = sum(self.costs.vendor_s for p in self.problems if p.has_vendor and not p.vendor_done)
-        return vendor + sum(self.costs.pick_s for p in self.problems if not p.picked)
+    def vendor_left_s(self) -> float:
+        return sum(self.costs.vendor_s for p in self.problems if p.has_vendor and not p.vendor_done)
 
-    def step_s(self, arm: Arm, n: int) -> float:
-        """Expected seconds of n candidates of an arm: the wait for its first compiled batch (what
-        is left of it when compiled ahead), then n measured."""
+    def reserve_s(self) -> float:
+        """Time kept back for what every problem must still get: its vendor pass, one seed (the
+        cheapest, compiled during the vendor pass) and its pick. A budget smaller than these is
+        overrun by them, never by anything else."""
+        seeds = sum(min((self.costs.per(a.family) for a in p.arms if a.open()), default=0.0)
+                    for p in self.problems if not p.seeded)
+        return self.vendor_left_s() + seeds + sum(self.costs.pick_s for p in self.problems if not p.picked)
+
+    def step_s(self, arm: Arm, n: int, at: float | None = None) -> float:
+        """Expected seconds of n candidates of an arm in a step starting at `at` (default now): the
+        wait for its first compiled batch (what is left of it when compiled ahead), then n measured."""
         if n <= 0:
             return 0.0
-        wait = self.costs.wait(arm.family) if arm.ready_at is None else max(0.0, arm.ready_at - self.clock())
-        return wait + n * self.costs.per(arm.family)
+        now = self.clock()
+        at = now if at is None else at
+        ready = now + self.costs.wait(arm.family) if arm.ready_at is None else arm.ready_at
+        return max(0.0, ready - at) + n * self.costs.per(arm.family)
 
     def _deadline(self, estimate: float, avail: float) -> float | None:
         # Twice the estimate: a slow step is cut, not allowed to eat the others' rounds; never the reserve.
@@ -165,7 +174,7 @@ class Planner:
             if not p.seeded:
                 counts = self.seed_counts(i)
                 if counts:
-                    avail = self.left() - self.reserve_s()
+                    avail = self.left() - self.reserve_s() + self.costs.per(counts[0][0])
                     estimate = sum(self.step_s(p.arm(f), n) for f, n in counts)
                     return Step("seeds", i, counts, self._deadline(estimate, max(avail, estimate)))
                 p.seeded = True
@@ -174,10 +183,11 @@ class Planner:
             i, arm, n = ranked[0]
             avail = self.left() - self.reserve_s()
             return Step("search", i, ((arm.family, n),), self._deadline(self.step_s(arm, n), avail))
-        for i, p in enumerate(self.problems):
-            if not p.picked:
-                return Step("pick", i)
-        return None
+        # Picks last, the problem with least to gain from more rounds first: a pick that takes less
+        # than its reserve gives the time back to the rounds of the problems not picked yet.
+        left = [(max((self.score(p, a) for a in p.arms if a.open()), default=0.0), i)
+                for i, p in enumerate(self.problems) if not p.picked]
+        return Step("pick", min(left)[1]) if left else None
 
     def seed_counts(self, i: int) -> tuple:
         """((family, n), ...) of the seed pass for problem i: its share of the time left, at least
@@ -186,22 +196,25 @@ class Planner:
         wanted = {a.family: min(a.open(), a.seeds, SEEDS_IN_PASS) for a in p.arms}
         if self.end is None:
             return tuple((f, n) for f, n in wanted.items() if n)
-        avail = self.left() - self.reserve_s()
-        share = max(0.0, avail) * SEED_PASS_SHARE / sum(1 for q in self.problems if not q.seeded)
-        counts = {f: 0 for f in wanted}
+        at = self.clock() + self.vendor_left_s()  # (seeds compile while the vendor pass measures)
         arms = [a for a in p.arms if wanted[a.family]]
+        if not arms:
+            return ()
+        cheapest = min(arms, key=lambda a: self.step_s(a, 1, at))
+        # The reserve holds one seed of each problem: the share is what the time left adds to it.
+        share = (max(0.0, self.left() - self.reserve_s()) * SEED_PASS_SHARE / sum(1 for q in self.problems if not q.seeded)
+                 + self.costs.per(cheapest.family))
+        counts = {f: 0 for f in wanted}
         grew = True
         while grew:  # one more candidate to each family in turn while the share lasts
             grew = False
             for a in arms:
                 if counts[a.family] < wanted[a.family]:
                     trial = dict(counts, **{a.family: counts[a.family] + 1})
-                    if sum(self.step_s(p.arm(f), n) for f, n in trial.items()) <= share:
+                    if sum(self.step_s(p.arm(f), n, at) for f, n in trial.items()) <= share:
                         counts, grew = trial, True
-        if not any(counts.values()) and arms:
-            cheapest = min(arms, key=lambda a: self.step_s(a, 1))
-            if self.step_s(cheapest, 1) <= avail or not p.has_vendor or not math.isfinite(p.vendor_ms):
-                counts[cheapest.family] = 1
+        if not any(counts.values()):
+            counts[cheapest.family] = 1  # (every problem gets a seed: the reserve counted it)
         return tuple((f, n) for f, n in counts.items() if n)
 
     def _ranked(self) -> list:
@@ -288,9 +301,10 @@ class Planner:
                     arm.exhausted = True  # asked, in time, and got nothing: nothing left to measure
                 if step.kind == "search" and delta > 0:
                     arm.gains.append((before - new) / before / delta if math.isfinite(before) and new < before else 0.0)
-                arm.measured, arm.best_ms, arm.ready_at = arm.measured + max(0, delta), min(before, new), None
-                self.costs.observe("wait_s", r.get("wait_s"), family)
+                if arm.ready_at is None:  # (compiled ahead, its wait says how well, not how long a compile takes)
+                    self.costs.observe("wait_s", r.get("wait_s"), family)
                 self.costs.observe("per_s", r.get("per_s"), family)
+                arm.measured, arm.best_ms, arm.ready_at = arm.measured + max(0, delta), min(before, new), None
             if step.kind == "seeds":
                 p.seeded, p.stage = True, "seeded"
             else:

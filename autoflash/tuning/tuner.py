@@ -18,6 +18,7 @@ it, or in --storage): a killed run resumes. A run drives a `shared.SharedTuner`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -264,7 +265,11 @@ class Tuner(PickWinner):
                 self._carry_over(study, batch)
                 break
             t0 = self.clock()
-            compiled = compiling.result()
+            try:  # (a forced first candidate waits; others no longer than the deadline: the run's clock)
+                compiled = compiling.result(None if deadline is None or not counted else max(0.0, deadline - t0))
+            except concurrent.futures.TimeoutError:
+                self._carry_over(study, batch)  # still compiling: measured at the search's next turn
+                break
             waits.append(self.clock() - t0)
             # Compile the next batch on the CPU cores while this one is measured on the GPU.
             pending = next_batch(min(batch_size, budget - len(counted) - len(batch)))

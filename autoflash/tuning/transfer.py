@@ -19,6 +19,9 @@ from autoflash.space import Variant, load_space
 from autoflash.store import Store
 
 TRANSFER_SEEDS = 3  # of the nearest problems' winners, per family
+# float16 and bfloat16 problems run the same tiles and pipelines: one's winner is a fair first guess
+# for the other (a factor of 2 further than the same dtype's). float32's is another kernel.
+HALVES = {"float16", "bfloat16"}
 
 
 def architecture(gpu_key: str) -> str:
@@ -50,7 +53,8 @@ def sibling_rows(gpu_key: str, store: Store, include_own_shipped: bool = False) 
 def transferred_seeds(problem: Problem, family: str, device: GPUFingerprint, rows: list[dict],
                       limit: int = TRANSFER_SEEDS) -> tuple[list[Variant], list[Variant]]:
     """(the winners of this very problem, those of the nearest other problems) among `rows`
-    (`sibling_rows`) for one family, valid here, nearest first; at most `limit` in all."""
+    (`sibling_rows`) for one family, valid here, nearest first (`problem.distance_between`, +1 for
+    the other half-precision dtype); at most `limit` in all."""
     space = load_space(family)
     ranked = []
     for row in rows:
@@ -58,8 +62,9 @@ def transferred_seeds(problem: Problem, family: str, device: GPUFingerprint, row
             other = Problem.from_key(row["problem"])
         except (ValueError, KeyError, TypeError):
             continue
-        if (other.op, other.dtype, other.causal, other.page) != (problem.op, problem.dtype, problem.causal,
-                                                               problem.page):
+        if (other.op, other.causal, other.page) != (problem.op, problem.causal, problem.page):
+            continue
+        if other.dtype != problem.dtype and {other.dtype, problem.dtype} != HALVES:
             continue
         if codegen.family_for_hash(problem.op, row["template_hash"], earlier=True) != family:
             continue
@@ -71,7 +76,8 @@ def transferred_seeds(problem: Problem, family: str, device: GPUFingerprint, row
         except (ValueError, TypeError):
             continue
         same = other.key == problem.key or dataclasses.replace(other, work=None) == dataclasses.replace(problem, work=None)
-        ranked.append((distance_between(other, problem), not same, row["problem"], variant))
+        distance = distance_between(other, problem) + (other.dtype != problem.dtype)
+        ranked.append((distance, not same, row["problem"], variant))
     ranked.sort(key=lambda x: x[:3])
     seen: dict[Variant, bool] = {}
     for _, near, _, variant in ranked:

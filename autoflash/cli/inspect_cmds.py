@@ -88,20 +88,19 @@ def which(shapes, op, db_file, interpret):
     device = gpu_fingerprint()
     disp = get_dispatcher() if db_file is None else Dispatcher([Path(db_file), *resources.shipped_databases()])
     t = Table(title=f"kernels served on {device.name} ({op}; tensors in their default layout)")
-    for col in ("shape", "problem", "serves", "why", "from", "variant"):
+    for col in ("shape", "problem", "serves", "winner", "why", "from", "variant"):
         t.add_column(col)
     for shape in shape_list:
         problem = dataclasses.replace(shape, op=op).problem
         variant, how = disp.choose(problem, device)
         tuned = how == "exact" or how.startswith("nearest (")  # (else the serving policy or the default)
         vendor = bool(load_space(variant.family).vendor)
-        why = how
-        if not vendor and cudnn_variant(problem, device) is None:
-            why += "; SDPA-cuDNN cannot take it here" if op in VENDOR_FAMILIES else ""
-        elif not vendor:  # (the policy let the own kernel serve: say on what evidence)
-            why += f"; {disp.winners(device).evidence.own_faster(problem)[1]}"
-        elif tuned:
-            why += ": SDPA won the tune"
+        if vendor:
+            why = "SDPA won the tune" if tuned else "serving policy: SDPA-cuDNN until own kernels measure faster"
+        elif cudnn_variant(problem, device) is None:
+            why = "SDPA-cuDNN cannot take it here" if op in VENDOR_FAMILIES else ""
+        else:  # (the policy let the own kernel serve: on this evidence)
+            why = disp.winners(device).evidence.own_faster(problem)[1]
         origin = disp.winners(device).explain(problem)[2] if tuned else None
         served = f"{variant.family}: {variant.short()}"
         knobs = variant.as_dict()
@@ -110,5 +109,5 @@ def which(shapes, op, db_file, interpret):
                 own = disp.variant_for(dataclasses.replace(shape, op=op_of_half).problem, device, own_only=True)
                 served += f" ({half.lower()}: {own.family}: {own.short()})"
         source = Path(origin).name if origin else "built-in" if how == "default" else "serving policy"
-        t.add_row(shape.label(), problem.key, "vendor" if vendor else "own", why, source, served)
+        t.add_row(shape.label(), problem.key, "vendor" if vendor else "own", how, why, source, served)
     console.print(t)

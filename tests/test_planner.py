@@ -253,3 +253,25 @@ def test_a_planned_run_in_the_interpreter_measures_every_problem_and_ends_in_its
         assert [r for r in mine if r["template_hash"] != vendor]  # a seed at least
     assert len(rows) > 3 * len(shapes)  # more than the must-haves: the budget was spent
     assert all(r.cut_short for r in results)
+
+
+def test_tune_cli_shows_the_plan_and_plots_best_so_far(tmp_path):
+    """The interpreter's dry run prints each problem's state after the seed pass and the rounds, how
+    long the run took, what a larger budget would change, and --plot writes the curves."""
+    from click.testing import CliRunner
+
+    from autoflash.cli import cli
+
+    shapes = tmp_path / "two.toml"
+    one = ("[[shape]]\nbatch = 1\nheads_q = 2\nheads_kv = 2\nseqlen_q = {n}\nseqlen_k = {n}\nhead_dim = 32\n"
+           "causal = true\ndtype = \"float16\"\n")
+    shapes.write_text(one.format(n=37) + one.format(n=113))
+    plot = tmp_path / "tune.png"
+    r = CliRunner().invoke(cli, ["tune", "--interpret", "--db", str(tmp_path / "t.db"), "--shapes", str(shapes),
+                                 "--trials", "3", "--plot", str(plot)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "after the seed pass" in said and "seeded" in said and "own candidates" in said
+    assert "after the search rounds" in said and "searched" in said
+    assert "The run took" in said and "Every search reached its trial budget" in said
+    assert plot.is_file() and plot.read_bytes()[:4] == b"\x89PNG"

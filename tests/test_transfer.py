@@ -37,10 +37,7 @@ def test_sibling_rows_are_other_gpus_of_this_architecture(tmp_path):
     assert architecture(H100.key) == "sm90" and architecture("garbage") == ""
     rows = sibling_rows(H100.key, store)
     assert rows and {r["gpu_key"] for r in rows} == {H200.key}  # the shipped H200 winners
-    # Tuning the H200 itself: its shipped rows are its own, unless hidden (tune as if new)
-    assert sibling_rows(H200.key, Store(tmp_path / "empty.db")) == []
-    hidden = sibling_rows(H200.key, Store(tmp_path / "empty2.db"), include_own_shipped=True)
-    assert len(hidden) == len(rows)
+    assert sibling_rows(H200.key, Store(tmp_path / "empty.db")) == []  # the H200's shipped rows are its own
 
 
 def test_a_problems_own_winner_comes_first_then_the_nearest_valid_here(tmp_path):
@@ -95,3 +92,28 @@ def test_a_neighbours_winner_is_measured_before_the_default(tmp_path, transfer):
     tried = [json.loads(r["variant"]) for r in store.db["trials"].rows_where("gpu_key = ?", [here.key], order_by="id")]
     assert tried[0] == (theirs if transfer else default).as_dict()
     assert (theirs.as_dict() in tried) if transfer else tried[0] == default.as_dict()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("hide", [False, True])
+def test_hide_shipped_rows_tunes_as_if_this_gpu_were_new(tmp_path, monkeypatch, hide):
+    """Shipped winners of this very GPU seed its search first; `--hide-shipped-rows` leaves them out,
+    and a neighbour's winner (another GPU of its architecture) comes first instead."""
+    from autoflash import resources
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.workers import tune
+
+    here = gpu_fingerprint()
+    neighbour = dataclasses.replace(here, torch_version="0.0-another-build")
+    valid = [v for v in load_space("triton_fwd").valid_variants(TINY.problem, here)
+             if v != default_variant("fwd", TINY.problem, here)]
+    shipped = Store(tmp_path / "shipped.db")
+    put(shipped, here, TINY.problem, valid[0])  # "ours", as a shipped DB holds it
+    put(shipped, neighbour, TINY.problem, valid[1])
+    shipped.close()
+    monkeypatch.setattr(resources, "shipped_databases", lambda: [tmp_path / "shipped.db"])
+    store = Store(tmp_path / "t.db")
+    tune([TINY], store, TuneOptions(trials=2, interpret=True, hide_shipped_rows=hide))
+    tried = [r["variant"] for r in store.db["trials"].rows_where(order_by="id")]
+    assert tried[0] == (valid[1] if hide else valid[0]).json()
+    assert (valid[0].json() not in tried) if hide else True

@@ -138,9 +138,9 @@ def _report(results, store, op_list, device, interpret, md_path, trials, summari
 @click.option("--interpret", is_flag=True,
               help="Run the whole pipeline on tiny shapes in Triton's CPU interpreter (no GPU; timings are not GPU performance).")
 @click.option("--hide-shipped-rows", is_flag=True,
-              help="Tune as if this GPU were new: its winners in the shipped DBs are neither served as its own nor "
-                   "kept as the incumbent, only used as seeds like other GPUs' of its architecture (pair with a "
-                   "fresh --db).")
+              help="Tune as if this GPU were new: its winners in the shipped DBs are left out (no seeds, no "
+                   "training pairs); other GPUs' winners of its architecture still seed the searches (pair with "
+                   "a fresh --db).")
 @click.option("--transfer-seeds/--no-transfer-seeds", default=True, show_default=True,
               help="Seed each search with the winners of the nearest problems on other GPUs of this GPU's "
                    "architecture (shipped DBs and the results DB), gated and timed again here.")

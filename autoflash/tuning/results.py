@@ -32,8 +32,8 @@ class TuneOptions:
     # path, or a database URL (postgresql://...): see autoflash.tuning.storage.
     storage: str | None = None
     worker: int = 0  # this worker's index among those started together: where its problem order starts
-    # Tune as if this GPU were new: its winners in the shipped DBs are not its own (no incumbent, no
-    # seed as "the winner served today") but a neighbour's, seeds like other GPUs' of its architecture.
+    # Tune as if this GPU were new: its winners in the shipped DBs are no seeds and pair no backward
+    # (other GPUs' winners of its architecture still seed the searches).
     hide_shipped_rows: bool = False
     transfer_seeds: bool = True  # seed searches with the winners of other GPUs of the same architecture
     # Test hooks: picklable top-level functions with sandbox.evaluate_variant's signature

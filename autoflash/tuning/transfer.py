@@ -30,18 +30,16 @@ def architecture(gpu_key: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def sibling_rows(gpu_key: str, store: Store, include_own_shipped: bool = False) -> list[dict]:
+def sibling_rows(gpu_key: str, store: Store) -> list[dict]:
     """Winner rows of the other GPUs of this GPU's architecture, in the shipped DBs and in `store`
-    (the user's DB, where `db merge` or `db import` may have put another GPU's rows).
-    include_own_shipped: this GPU's shipped rows too, as if a neighbour's (`tune --hide-shipped-rows`:
-    tuning as if this GPU were new)."""
+    (the user's DB, where `db merge` or `db import` may have put another GPU's rows)."""
     arch = architecture(gpu_key)
     rows = []
     for path in resources.shipped_databases():
         try:
             shipped = Store(path, readonly=True)
             try:
-                rows += [r for r in shipped.winners() if r["gpu_key"] != gpu_key or include_own_shipped]
+                rows += [r for r in shipped.winners() if r["gpu_key"] != gpu_key]
             finally:
                 shipped.close()
         except Exception:  # an unreadable shipped DB only costs these seeds

@@ -92,11 +92,10 @@ class Tuner(PickWinner):
         if os.environ.get("AUTOFLASH_KERNEL_CACHE"):
             env["AUTOFLASH_KERNEL_CACHE"] = os.environ["AUTOFLASH_KERNEL_CACHE"]
         self.gpu_key = store.add_gpu(self.device)
-        # Warm-start seeds, read once per run: this GPU's shipped winners (unless the run tunes as if
-        # this GPU were new: then they are a neighbour's, below) and other GPUs' of its architecture.
+        # Warm-start seeds, read once per run: this GPU's shipped winners (none when the run tunes as
+        # if this GPU were new) and other GPUs' of its architecture.
         self.shipped_winners = [] if options.hide_shipped_rows else read_shipped_winners(self.gpu_key)
-        self.sibling_winners = sibling_rows(self.gpu_key, store, options.hide_shipped_rows) \
-            if options.transfer_seeds else []
+        self.sibling_winners = sibling_rows(self.gpu_key, store) if options.transfer_seeds else []
         store.mark_dead_runs()  # runs a kill left 'running' (their trials are kept and resumed)
         store.drop_orphan_claims()  # candidates those runs claimed but never measured
         self.run_id = store.start_run(self.gpu_key, command)

@@ -275,3 +275,59 @@ def test_tune_cli_shows_the_plan_and_plots_best_so_far(tmp_path):
     assert "after the search rounds" in said and "searched" in said
     assert "The run took" in said and "Every search reached its trial budget" in said
     assert plot.is_file() and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_planned_run_with_a_compile_pool_asks_ahead_and_loses_nothing(tmp_path, monkeypatch):
+    """The GPU's path in the interpreter: a real compile pool (the interpreter's compile only renders
+    and imports), the seed pass compiled in one batch, the next search's batch asked for ahead and
+    queued in its study, a deadline's leftovers queued again. Every candidate is measured once, no
+    study keeps a trial running, and the run keeps its budget."""
+    import collections
+    import json
+    import sqlite3
+
+    import optuna
+
+    from autoflash.shapes import load_shape_set
+    from autoflash.store import Store
+    from autoflash.tuning import sandbox
+    from autoflash.tuning.compiles import Compiles
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.shared import SharedTuner
+    from autoflash.tuning.workers import tune
+
+    built = []
+    original = SharedTuner.__init__
+
+    def with_a_pool(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.compilers = sandbox.WorkerPool(2, "cpu", {"TRITON_INTERPRET": "1"})
+        self.compiles = Compiles(self.compilers, None, self.opt.rep_ms, "cpu", self.opt.trial_timeout_s)
+        built.append(self)
+
+    monkeypatch.setattr(SharedTuner, "__init__", with_a_pool)
+    db = tmp_path / "t.db"
+    store = Store(db)
+    reader = sqlite3.connect(db)
+
+    def work_done() -> float:
+        return float(reader.execute("select count(*) from trials where status != 'running'").fetchone()[0]
+                     + reader.execute("select count(distinct problem) from winners").fetchone()[0])
+
+    shapes = load_shape_set("tiny")
+    options = TuneOptions(trials=8, budget_s=30.0, interpret=True, clock=work_done, compile_workers=2)
+    results = tune(shapes, store, options)
+    assert [r.status for r in results] == ["tuned"] * len(shapes) and work_done() <= 30.0
+    rows = [(r["problem"], r["template_hash"], r["variant"]) for r in store.db["trials"].rows]
+    assert len(rows) == len(set(rows)) and collections.Counter(p for p, _, _ in rows).keys() == {
+        s.problem.key for s in shapes}
+    # Each binary compiled once: the tiny shapes' two lengths specialize alike, so problems share them.
+    from autoflash.space import load_space
+    from autoflash.tuning.compiles import compile_key
+
+    by_key = {s.problem.key: s for s in shapes}
+    binaries = {compile_key(load_space("fwd").check_declared(json.loads(v)), by_key[p]) for p, _, v in rows}
+    assert built and len(binaries) <= built[0].compiles.requested < len(rows)
+    journal = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{db}.optuna.journal"))
+    for study in journal.get_all_studies():
+        assert not [t for t in journal.get_all_trials(study._study_id) if t.state == optuna.trial.TrialState.RUNNING]

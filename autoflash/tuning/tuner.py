@@ -206,10 +206,10 @@ class Tuner(PickWinner):
             variants = [v for v in queue_ if v.json() not in mine][:n]
         else:
             waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
-            variants = [space.check_declared(t.system_attrs["fixed_params"]) for t in waiting
-                        if "fixed_params" in t.system_attrs][:n]
-            if len(variants) < n:
-                batch = Tuner._ask_batch(self, study, space, ps.problem, mine, n - len(variants))
+            variants = [v for v in (space.check_declared(t.system_attrs["fixed_params"]) for t in waiting
+                                    if "fixed_params" in t.system_attrs) if v.json() not in mine][:n]
+            if not waiting:  # (an ask takes the queued ones first: new ones only once none are)
+                batch = Tuner._ask_batch(self, study, space, ps.problem, mine, n)
                 Tuner._carry_over(self, study, batch)
                 variants += [v for _, v in batch]
         if variants:

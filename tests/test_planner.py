@@ -43,9 +43,9 @@ class Sim:
         return [ProblemPlan(f"p{i}", [Arm(f, fam.cap, fam.seeds) for f, fam in self.families.items()])
                 for i in range(len(self.own_scale))]
 
-    def compile(self, i: int, family: str, n: int) -> None:
-        """The arm's next n candidates, compiled on the first free workers."""
-        for k in range(n):
+    def compile(self, i: int, family: str, n: int, after: int = 0) -> None:
+        """The arm's next n candidates (after `after` more), compiled on the first free workers."""
+        for k in range(after, after + n):
             key = (i, family, self.measured[(i, family)] + k)
             if key not in self.ready:
                 w = min(range(len(self.free)), key=self.free.__getitem__)
@@ -61,7 +61,7 @@ class Sim:
         for i, counts in planner.planned_seeds().items():
             for family, n in counts:
                 self.compile(i, family, n)
-                planner.compiling(i, family)
+                planner.compiling(i, family, n)
         while (step := planner.next_step()) is not None:
             i = step.problem
             if step.kind == "vendor":
@@ -76,16 +76,18 @@ class Sim:
                 self.deadlines.append(step.deadline)
                 for family, n in step.counts:
                     self.compile(i, family, n)
-                if (nxt := planner.peek(step)) is not None:  # compile ahead
-                    self.compile(*nxt)
-                    planner.compiling(nxt[0], nxt[1])
-                planner.done(step, arms={f: self.measure(i, f, n, step.deadline) for f, n in step.counts})
+                if (nxt := planner.peek(step)) is not None:  # compile ahead (the same search's next batch too)
+                    self.compile(*nxt, after=dict(step.counts).get(nxt[1], 0) if nxt[0] == i else 0)
+                    planner.compiling(*nxt)
+                force = step.kind == "seeds"  # (as the tuner: the seed step's first family's first)
+                planner.done(step, arms={f: self.measure(i, f, n, step.deadline, force and f == step.counts[0][0])
+                                         for f, n in step.counts})
 
-    def measure(self, i: int, family: str, n: int, deadline: float | None) -> dict:
+    def measure(self, i: int, family: str, n: int, deadline: float | None, force: bool) -> dict:
         waits, new = [], 0
         for k in range(n):
             key = (i, family, self.measured[(i, family)])
-            forced = self.measured[(i, family)] == 0 and k == 0  # (as the tuner: a family's first)
+            forced = force and k == 0
             wait = max(0.0, self.ready[key] - self.t)
             if deadline is not None and not forced and self.t + wait >= deadline:
                 break
@@ -96,7 +98,8 @@ class Sim:
             new += 1
         return {"measured": self.measured[(i, family)], "best_ms": self.best(i, family),
                 "wait_s": waits[0] if waits else None,
-                "per_s": (new * self.families[family].measure_s + sum(waits[1:])) / new if new else None}
+                "per_s": (new * self.families[family].measure_s + sum(waits[1:])) / new if new else None,
+                "exhausted": False}
 
 
 def plan(sim: Sim, budget_s: float | None, **costs) -> Planner:

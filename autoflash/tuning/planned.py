@@ -82,7 +82,8 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
             ahead = None
             if step.kind == "search" or all(p.seeded or p is plans[step.problem] for p in plans):
                 ahead = _compile_ahead(tuner, planner, searches, step)  # (the last seed step: the first round's)
-            planner.done(step, arms=tuner.search(ps, step.counts, step.deadline, then=ahead))
+            reports = tuner.search(ps, step.counts, step.deadline, then=ahead, force=step.kind == "seeds")
+            planner.done(step, arms=reports)
         reporter.plan_update(planner.snapshot())
     elapsed = options.clock() - start
     extra = options.budget_s if options.budget_s is not None else elapsed
@@ -98,7 +99,7 @@ def _compile_seeds(tuner, planner: Planner, searches: list) -> None:
     for i, counts in planner.planned_seeds().items():
         for family, n in counts:
             items += [(v, searches[i].shape) for v in searches[i].seeds[family][:n]]
-            planner.compiling(i, family, after=len(items) - 1)
+            planner.compiling(i, family, n)
     if items:
         tuner.compiles.start_all(items)
 
@@ -110,8 +111,9 @@ def _compile_ahead(tuner, planner: Planner, searches: list, step):
         nxt = planner.peek(step)
         if nxt is not None and tuner.compilers is not None:
             i, family, n = nxt
-            if tuner.ask_ahead(searches[i], family, n):
-                planner.compiling(i, family)
+            asked = tuner.ask_ahead(searches[i], family, n)
+            if asked:
+                planner.compiling(i, family, asked)
     return ahead
 
 

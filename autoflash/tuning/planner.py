@@ -71,7 +71,8 @@ class Arm:
     best_ms: float = math.inf
     gains: list = dataclasses.field(default_factory=list)  # relative gain per candidate, per step
     exhausted: bool = False  # asked for candidates and got none (space or shared budget spent)
-    ready_at: float | None = None  # when its next candidates, compiled ahead, are expected ready
+    ready_at: float | None = None  # when its next step's candidates, compiled ahead, are expected ready
+    ahead: bool = False  # whether the step running now had its candidates compiled ahead
 
     def open(self) -> int:
         return 0 if self.exhausted else max(0, self.cap - self.measured)
@@ -131,6 +132,7 @@ class Planner:
         self.start = clock() if start is None else start
         self.end = None if budget_s is None else self.start + budget_s
         self.batch = max(1, batch)  # candidates per search step: one compile batch
+        self.pool_free_at = self.start  # when the compile pool is expected through what it was sent
         self._t0 = self.start
 
     # ------------------------------------------------------------------ time
@@ -155,7 +157,7 @@ class Planner:
             return 0.0
         now = self.clock()
         at = now if at is None else at
-        ready = now + self.costs.wait(arm.family) if arm.ready_at is None else arm.ready_at
+        ready = max(now, self.pool_free_at) + self.costs.wait(arm.family) if arm.ready_at is None else arm.ready_at
         return max(0.0, ready - at) + n * self.costs.per(arm.family)
 
     def _deadline(self, estimate: float, avail: float) -> float | None:
@@ -176,18 +178,29 @@ class Planner:
                 if counts:
                     avail = self.left() - self.reserve_s() + self.costs.per(counts[0][0])
                     estimate = sum(self.step_s(p.arm(f), n) for f, n in counts)
-                    return Step("seeds", i, counts, self._deadline(estimate, max(avail, estimate)))
+                    return self._take(Step("seeds", i, counts, self._deadline(estimate, max(avail, estimate))))
                 p.seeded = True
         ranked = self._ranked()
         if ranked:
             i, arm, n = ranked[0]
             avail = self.left() - self.reserve_s()
-            return Step("search", i, ((arm.family, n),), self._deadline(self.step_s(arm, n), avail))
+            return self._take(Step("search", i, ((arm.family, n),), self._deadline(self.step_s(arm, n), avail)))
         # Picks last, the problem with least to gain from more rounds first: a pick that takes less
         # than its reserve gives the time back to the rounds of the problems not picked yet.
         left = [(max((self.score(p, a) for a in p.arms if a.open()), default=0.0), i)
                 for i, p in enumerate(self.problems) if not p.picked]
         return Step("pick", min(left)[1]) if left else None
+
+    def _take(self, step: Step) -> Step:
+        """The step's arms take their candidates compiled ahead; those not compiled ahead are sent
+        to the pool now, behind what it holds."""
+        for family, n in step.counts:
+            arm = self.problems[step.problem].arm(family)
+            arm.ahead = arm.ready_at is not None
+            if not arm.ahead:
+                self.compiling(step.problem, family, n)
+            arm.ready_at = None  # (an ask ahead during the step is for its next step)
+        return step
 
     def seed_counts(self, i: int) -> tuple:
         """((family, n), ...) of the seed pass for problem i: its share of the time left, at least
@@ -217,9 +230,11 @@ class Planner:
             counts[cheapest.family] = 1  # (every problem gets a seed: the reserve counted it)
         return tuple((f, n) for f, n in counts.items() if n)
 
-    def _ranked(self) -> list:
-        """(problem, arm, candidates) of every search that may run now, best expected gain per
-        second first; none once the time left is the reserve."""
+    def _ranked(self, ready: bool = True) -> list:
+        """(problem, arm, candidates) of every search that may run now, none once the time left is
+        the reserve; best first by expected gain per second, the wait for its compile counted
+        (ready: what to measure next, a search compiled ahead before one that would keep the GPU
+        waiting) or not (what is worth compiling ahead)."""
         avail = self.left() - self.reserve_s()
         out = []
         for i, p in enumerate(self.problems):
@@ -230,23 +245,33 @@ class Planner:
                 while n > 1 and self.step_s(arm, n) > avail:
                     n -= 1
                 if n >= 1 and self.step_s(arm, n) <= avail:
-                    out.append((self.score(p, arm), i, arm, n))
+                    score = self.gain(p, arm) * n / self.step_s(arm, n) if ready else self.score(p, arm)
+                    out.append((score, i, arm, n))
         out.sort(key=lambda x: (-x[0], x[1]))
         return [x[1:] for x in out]
 
     def peek(self, step: Step) -> tuple | None:
-        """(problem, family, n) of the search expected after `step`: the one to compile ahead."""
-        taken = {(step.problem, f) for f, _ in step.counts}
-        for i, arm, n in self._ranked():
-            if (i, arm.family) not in taken:
-                return i, arm.family, n
-        return None
+        """(problem, family, n) of the search to compile ahead while `step` measures: the most
+        valuable one not compiling already, as the ranking will stand once the step's candidates
+        are measured (a search that stays best gets its next batch ready too)."""
+        arms = [(self.problems[step.problem].arm(f), n) for f, n in step.counts]
+        saved = [(a.measured, a.ready_at) for a, _ in arms]
+        for a, n in arms:
+            a.measured = a.measured + n
+        try:
+            ranked = [(i, arm, n) for i, arm, n in self._ranked(ready=False) if arm.ready_at is None]
+        finally:
+            for (a, _), (measured, ready_at) in zip(arms, saved):
+                a.measured, a.ready_at = measured, ready_at
+        return (ranked[0][0], ranked[0][1].family, ranked[0][2]) if ranked else None
 
-    def compiling(self, i: int, family: str, after: int = 0) -> None:
-        """Candidates of this arm started compiling now (ahead of its step), behind `after` others
-        sent to the pool at once (its `batch` workers take them in order)."""
+    def compiling(self, i: int, family: str, n: int = 1) -> None:
+        """n candidates of this arm were sent to the compile pool now, for its next step. The pool
+        takes compiles in order, `batch` at once: they start when it is through what it holds."""
         arm = self.problems[i].arm(family)
-        arm.ready_at = self.clock() + self.costs.wait(family) * (1 + after // self.batch)
+        start = max(self.clock(), self.pool_free_at)
+        self.pool_free_at = start + n * self.costs.wait(family) / self.batch
+        arm.ready_at = start + self.costs.wait(family)
 
     def planned_seeds(self) -> dict:
         """{problem: ((family, n), ...)} the seed pass is expected to measure: compiled ahead while
@@ -279,8 +304,9 @@ class Planner:
     # ------------------------------------------------------------------ results
     def done(self, step: Step, *, vendor_ms: float | None = None, arms: dict | None = None,
              served: str = "") -> None:
-        """What a step did. arms: family -> {"measured", "best_ms", "wait_s", "per_s"} (totals after
-        the step; the durations of its candidates, None where none were measured)."""
+        """What a step did. arms: family -> {"measured", "best_ms", "wait_s", "per_s", "exhausted"}
+        (totals after the step; the durations of its candidates, None where none were measured;
+        whether its search has nothing left to measure)."""
         now = self.clock()
         p = self.problems[step.problem]
         if step.kind == "vendor":
@@ -297,14 +323,14 @@ class Planner:
                 arm = p.arm(family)
                 before, new = arm.best_ms, r.get("best_ms", math.inf)
                 delta = r.get("measured", arm.measured) - arm.measured
-                if family in asked and delta <= 0 and (step.deadline is None or now < step.deadline):
-                    arm.exhausted = True  # asked, in time, and got nothing: nothing left to measure
+                if family in asked and delta <= 0 and r.get("exhausted", step.deadline is None):
+                    arm.exhausted = True  # asked and nothing was left to measure
                 if step.kind == "search" and delta > 0:
                     arm.gains.append((before - new) / before / delta if math.isfinite(before) and new < before else 0.0)
-                if arm.ready_at is None:  # (compiled ahead, its wait says how well, not how long a compile takes)
+                if not arm.ahead:  # (else its wait says how far ahead, not how long a compile takes)
                     self.costs.observe("wait_s", r.get("wait_s"), family)
                 self.costs.observe("per_s", r.get("per_s"), family)
-                arm.measured, arm.best_ms, arm.ready_at = arm.measured + max(0, delta), min(before, new), None
+                arm.measured, arm.best_ms = arm.measured + max(0, delta), min(before, new)
             if step.kind == "seeds":
                 p.seeded, p.stage = True, "seeded"
             else:

@@ -99,9 +99,9 @@ class SharedTuner(Tuner):
         self.store.drop_orphan_claims()
 
     # ------------------------------------------------------------------ the search
-    def _search(self, ps, family, n, deadline):
+    def _search(self, ps, family, n, deadline, force=False):
         try:
-            return super()._search(ps, family, n, deadline)
+            return super()._search(ps, family, n, deadline, force)
         finally:  # (a trial left unmeasured, out of time, was failed and queued again)
             thash = codegen.template_hash(family)
             self._asked = {k: v for k, v in self._asked.items() if k[:2] != (ps.problem.key, thash)}

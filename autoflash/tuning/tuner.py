@@ -169,14 +169,16 @@ class Tuner(PickWinner):
         for family in ps.vendor:
             self._search(ps, family, len(ps.valid[family]), None)
 
-    def search(self, ps: ProblemSearch, counts, deadline: float | None, then=None) -> dict:
+    def search(self, ps: ProblemSearch, counts, deadline: float | None, then=None, force: bool = False) -> dict:
         """Up to n more candidates of each (family, n) in `counts`, until `deadline`; returns family
-        -> {"measured", "best_ms", "wait_s", "per_s"} (the planner's view of the step). then: called
-        once the step's first batch is compiling (what to compile next, behind it)."""
+        -> {"measured", "best_ms", "wait_s", "per_s", "exhausted"} (the planner's view). then: called
+        once the step's first batch is compiling (what to compile next, behind it). force: the first
+        family's first candidate is measured even past the deadline (the seed every problem gets)."""
         self._enter(ps)
         self._then = then
         try:
-            return {family: self._search(ps, family, n, deadline) for family, n in counts}
+            return {family: self._search(ps, family, n, deadline, force and family == counts[0][0])
+                    for family, n in counts}
         finally:
             if self._then is not None:  # (nothing was asked for)
                 self._then()
@@ -216,8 +218,9 @@ class Tuner(PickWinner):
             self.compiles.start(variants, ps.shape)
         return len(variants)
 
-    def _search(self, ps: ProblemSearch, family: str, n: int, deadline: float | None) -> dict:
-        """Up to n more candidates of one family's search of `ps`'s problem; fills `ps.done`."""
+    def _search(self, ps: ProblemSearch, family: str, n: int, deadline: float | None, force: bool = False) -> dict:
+        """Up to n more candidates of one family's search of `ps`'s problem; fills `ps.done`.
+        force: its first candidate is measured even past the deadline."""
         shape, problem, done, valid = ps.shape, ps.problem, ps.done, ps.valid[family]
         space = load_space(family)
         thash = codegen.template_hash(family)
@@ -230,11 +233,10 @@ class Tuner(PickWinner):
         budget = min(cap, len(counted) + n)
         best = ps.best_ms(ps.valid)
         batch_size = self.compilers and self.opt.compile_workers or 1
-        waits, measure_s, new = [], 0.0, 0
+        waits, measure_s, new, carried = [], 0.0, 0, False
 
         def time_left() -> bool:
-            # (a family's first candidate is measured even past the deadline: the plan asked for it)
-            return deadline is None or not counted or self.clock() < deadline
+            return deadline is None or (force and not new) or self.clock() < deadline
 
         def next_batch(k: int, stale: int = 0):
             """Ask for up to k new candidates and start compiling them (in the background)."""
@@ -262,12 +264,14 @@ class Tuner(PickWinner):
             batch, compiling = pending
             if not time_left():  # out of time: queued in the study for the next turn, compiled or not
                 self._carry_over(study, batch)
+                carried = True
                 break
             t0 = self.clock()
             try:  # (a forced first candidate waits; others no longer than the deadline: the run's clock)
-                compiled = compiling.result(None if deadline is None or not counted else max(0.0, deadline - t0))
+                compiled = compiling.result(None if deadline is None or (force and not new) else max(0.0, deadline - t0))
             except concurrent.futures.TimeoutError:
                 self._carry_over(study, batch)  # still compiling: measured at the search's next turn
+                carried = True
                 break
             waits.append(self.clock() - t0)
             # Compile the next batch on the CPU cores while this one is measured on the GPU.
@@ -275,6 +279,7 @@ class Tuner(PickWinner):
             for j, ((trial, variant), c) in enumerate(zip(batch, compiled)):
                 if not time_left():
                     self._carry_over(study, batch[j:])
+                    carried = True
                     break
                 self.sandbox.context["bar_ms"] = best if math.isfinite(best) else None
                 t0 = self.clock()
@@ -302,8 +307,11 @@ class Tuner(PickWinner):
                 self.reporter.trial_done(len(counted), budget, variant, outcome, tflops(shape, best))
         self.sandbox.context["bar_ms"] = None
         ps.counted[family] = len(counted)
+        # Exhausted: nothing new was measured, and not for want of time (the space, or the study's
+        # budget that workers share, has nothing left to give).
+        exhausted = not new and not carried and (deadline is None or self.clock() < deadline)
         return {"measured": len(counted), "best_ms": ps.best_ms([family]), "wait_s": waits[0] if waits else None,
-                "per_s": (measure_s + sum(waits[1:])) / new if new else None}
+                "per_s": (measure_s + sum(waits[1:])) / new if new else None, "exhausted": exhausted}
 
     def _carry_over(self, study, batch: list) -> None:
         """Candidates asked for but not measured (the deadline came first) are failed in the study

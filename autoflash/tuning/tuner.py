@@ -34,6 +34,7 @@ from autoflash.store import Store
 from autoflash.tuning import sandbox
 from autoflash.tuning.compiles import Compiles
 from autoflash.tuning.pick import PickWinner
+from autoflash.tuning.search_state import ProblemSearch
 from autoflash.tuning.storage import make_storage
 from autoflash.tuning.sandbox import FAILED_STATUSES, Outcome, Sandbox
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions  # noqa: F401 - (TuneOptions: its old home)
@@ -52,31 +53,6 @@ def competes(family: str, interpret: bool) -> bool:
     """Whether a family's candidates are searched: vendor kernels compete on a GPU; in the
     interpreter they would beat every interpreted one."""
     return not (interpret and load_space(family).vendor)
-
-
-@dataclasses.dataclass
-class ProblemSearch:
-    """One problem's search across the run's passes."""
-
-    shape: Shape
-    valid: dict  # family -> its variants valid for the problem here
-    vendor: list  # vendor families (all their candidates are measured, beside the trial budget)
-    own: list  # own families, the default's first
-    default: Variant
-    caps: dict  # own family -> candidates the trial budget allows it (measured earlier included)
-    seeds: dict  # own family -> its seeds, measured first
-    context: dict  # the sandbox settings its candidates are timed with (a training pair's other halves)
-    done: dict = dataclasses.field(default_factory=dict)  # "family:variant json" -> trial row
-    counted: dict = dataclasses.field(default_factory=dict)  # family -> candidates measured or taken
-    failed: int = 0
-
-    @property
-    def problem(self):
-        return self.shape.problem
-
-    def best_ms(self, families) -> float:
-        return min((r["median_ms"] for k, r in self.done.items() if k.partition(":")[0] in families
-                    and r.get("status") == "ok" and r.get("median_ms")), default=math.inf)
 
 
 class Tuner(PickWinner):

@@ -90,8 +90,8 @@ class Tuner(PickWinner):
     def close(self, status: str, problems: int) -> None:
         stopped = status != "finished"  # Ctrl-C or SIGTERM: the workers are killed, not waited for
         self.sandbox.close(now=stopped)
-        if self.compilers:
-            self.compilers.close(now=stopped)
+        if self.compilers:  # (compiles asked ahead for steps the budget left no time for: not waited for)
+            self.compilers.close(now=True)
         self.store.finish_run(self.run_id, status, problems, self.total_measured)
 
     # ------------------------------------------------------------------ one problem, in passes

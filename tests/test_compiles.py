@@ -76,3 +76,19 @@ def test_a_clearly_slower_candidate_is_stopped_after_a_short_timing():
     finally:
         sandbox._apply_context({})
     assert sandbox._bar_ms is None
+
+
+def test_vendor_candidates_are_never_queued_behind_compiles():
+    """Torch SDPA has nothing to build: its candidates are ready at once, whatever the pool holds
+    (the vendor pass runs while the seeds compile)."""
+    class Busy:
+        def map_async(self, *args):
+            raise AssertionError("sent to the pool")
+
+    device = gpu_fingerprint()
+    device = dataclasses.replace(device, name="NVIDIA H100 80GB HBM3", cc_major=9, cc_minor=0)
+    shape = dataclasses.replace(TINY, dtype="bfloat16")
+    vendor = load_space("sdpa_fwd").valid_variants(shape.problem, device)
+    assert vendor
+    compiling = Compiles(Busy(), None, 1.0, "cuda", 60).start(vendor, shape)
+    assert compiling.done() and [o.status for o in compiling.result()] == ["ok"] * len(vendor)

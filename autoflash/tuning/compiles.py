@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 
 from autoflash.problem import Shape
-from autoflash.space import Variant
+from autoflash.space import Variant, load_space
 from autoflash.tuning import sandbox
 from autoflash.tuning.sandbox import Outcome
 
@@ -76,15 +76,17 @@ class Compiles:
     def start_all(self, items: list[tuple[Variant, Shape]]) -> Compiling:
         """Compile (variant, shape) pairs of any problems in one batch: the pool's workers take them
         in order, none waits for a slower one of an earlier batch."""
+        done = concurrent.futures.Future()
+        done.set_result([Outcome("ok")])
         if self.pool is None:
-            done = concurrent.futures.Future()
-            done.set_result([Outcome("ok")])
             return Compiling([(done, 0)] * len(items), {}, [None] * len(items))
         keys = [compile_key(v, shape) for v, shape in items]
         todo = {}
-        for key, item in zip(keys, items):
-            if key not in self._memo and key not in todo:
-                todo[key] = item
+        for key, (v, shape) in zip(keys, items):
+            if load_space(v.family).vendor:  # nothing to build: never queued behind others' compiles
+                self._memo[key] = (done, 0)
+            elif key not in self._memo and key not in todo:
+                todo[key] = (v, shape)
         if todo:
             args = [(v.json(), v.family, shape, self.rep_ms, self.device_str) for v, shape in todo.values()]
             future = self.pool.map_async(self.fn, args, self.timeout_s)

@@ -299,14 +299,20 @@ def test_a_planned_run_with_a_compile_pool_asks_ahead_and_loses_nothing(tmp_path
     from autoflash.tuning.shared import SharedTuner
     from autoflash.tuning.workers import tune
 
-    built = []
+    sent = []  # (variant JSON, family, shape) of every compile sent to the pool
     original = SharedTuner.__init__
 
     def with_a_pool(self, *args, **kwargs):
         original(self, *args, **kwargs)
         self.compilers = sandbox.WorkerPool(2, "cpu", {"TRITON_INTERPRET": "1"})
+        map_async = self.compilers.map_async
+
+        def recorded(fn, args_list, timeout_s):
+            sent.extend(a[:3] for a in args_list)
+            return map_async(fn, args_list, timeout_s)
+
+        self.compilers.map_async = recorded
         self.compiles = Compiles(self.compilers, None, self.opt.rep_ms, "cpu", self.opt.trial_timeout_s)
-        built.append(self)
 
     monkeypatch.setattr(SharedTuner, "__init__", with_a_pool)
     db = tmp_path / "t.db"
@@ -324,13 +330,18 @@ def test_a_planned_run_with_a_compile_pool_asks_ahead_and_loses_nothing(tmp_path
     rows = [(r["problem"], r["template_hash"], r["variant"]) for r in store.db["trials"].rows]
     assert len(rows) == len(set(rows)) and collections.Counter(p for p, _, _ in rows).keys() == {
         s.problem.key for s in shapes}
-    # Each binary compiled once: the tiny shapes' two lengths specialize alike, so problems share them.
+    # Each binary compiled once (the tiny shapes' two lengths specialize alike: problems share them),
+    # and every measured candidate's before it was measured.
     from autoflash.space import load_space
     from autoflash.tuning.compiles import compile_key
 
-    by_key = {s.problem.key: s for s in shapes}
-    binaries = {compile_key(load_space("fwd").check_declared(json.loads(v)), by_key[p]) for p, _, v in rows}
-    assert built and len(binaries) <= built[0].compiles.requested < len(rows)
+    def key(variant_json, shape):
+        return compile_key(load_space("fwd").check_declared(json.loads(variant_json)), shape)
+
+    compiled = [key(v, shape) for v, _, shape in sent]
+    assert len(compiled) == len(set(compiled))
+    by_problem = {s.problem.key: s for s in shapes}
+    assert {key(v, by_problem[p]) for p, _, v in rows} <= set(compiled)
     journal = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{db}.optuna.journal"))
     for study in journal.get_all_studies():
         assert not [t for t in journal.get_all_trials(study._study_id) if t.state == optuna.trial.TrialState.RUNNING]

@@ -85,6 +85,9 @@ class RichReporter:
 
     def run_finished(self, summary):
         self.summaries.append(summary)
+        if self.step is not None:  # (the last pick's bar: the run bar says done)
+            self.progress.remove_task(self.step)
+            self.step = None
 
 
 def forecast_lines(summary) -> list[str]:

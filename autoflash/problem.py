@@ -222,6 +222,15 @@ class Shape:
                 f"d{self.head_dim}{c}{g}{page}")
 
 
+def distance_between(a: Problem, b: Problem) -> float:
+    """How far apart two problems of one kind are: factors of 2 in head dim, GQA group and sequence
+    lengths, plus occupancy buckets. The serving policy reads a neighbour's measurement by it, and
+    the tuner a neighbour's winner as a seed (it lives here, with the key, for both)."""
+    work = 0.0 if a.work is None or b.work is None else abs(a.work - b.work)
+    return (abs(math.log2(a.head_dim / b.head_dim)) + abs(math.log2(a.gqa_group / b.gqa_group))
+            + abs(math.log2(a.seqlen_q / b.seqlen_q)) + abs(math.log2(a.seqlen_k / b.seqlen_k)) + work)
+
+
 def dtype_name(dtype) -> str:
     """torch dtype -> 'float16' etc."""
     return str(dtype).replace("torch.", "")

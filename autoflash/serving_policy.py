@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoflash.problem import Problem
+from autoflash.problem import Problem, distance_between
 from autoflash.space import InvalidVariant, Variant, load_space
 from autoflash.vendor import VENDOR_TIE_MARGIN
 
@@ -84,12 +84,6 @@ class Evidence:
         ratio = entry.cudnn_ms / entry.own_ms
         where = "measured" if key == problem.key else f"nearest measured {key}"
         return entry.own_faster(), f"{where}: own {ratio:.2f}x SDPA-cuDNN"
-
-
-def distance_between(a: Problem, b: Problem) -> float:
-    work = 0.0 if a.work is None or b.work is None else abs(a.work - b.work)
-    return (abs(math.log2(a.head_dim / b.head_dim)) + abs(math.log2(a.gqa_group / b.gqa_group))
-            + abs(math.log2(a.seqlen_q / b.seqlen_q)) + abs(math.log2(a.seqlen_k / b.seqlen_k)) + work)
 
 
 def cudnn_variant(problem: Problem, device) -> Variant | None:

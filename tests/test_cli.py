@@ -476,3 +476,25 @@ def test_llama_speedup_is_the_median_of_paired_ratios_with_its_quartiles():
     up = paired_speedup([0.99, 1.00, 1.01, 1.02, 1.20])
     assert up["median"] == 1.01 and up["q1"] < up["median"] < up["q3"]
     assert paired_speedup([1.5])["median"] == 1.5
+
+
+def test_which_and_info_on_a_gpu_with_no_winners_say_sdpa_serves_and_why(tmp_path, monkeypatch):
+    """A new GPU (an H100 fingerprint; the shipped winners are an H200's): every half-precision shape
+    is served by SDPA-cuDNN, for want of any measurement here or near, and `info` says so."""
+    import autoflash.cli
+    import autoflash.device
+    import autoflash.dispatch
+    from autoflash.device import GPUFingerprint
+
+    h100 = GPUFingerprint("NVIDIA H100 80GB HBM3", 9, 0, 132, 232448, "2.11.0", "3.6.0", "13.0", "0.1.0")
+    monkeypatch.setattr(autoflash.device, "gpu_fingerprint", lambda device_index=None: h100)
+    monkeypatch.setattr(autoflash.dispatch, "gpu_fingerprint", lambda device_index=None: h100)
+    monkeypatch.setenv("AUTOFLASH_DB", str(tmp_path / "none.db"))
+    monkeypatch.setattr(autoflash.dispatch, "_dispatcher", None)
+    monkeypatch.setattr(autoflash.cli.console, "width", 400)  # one table row per line
+    r = invoke("which", "--shapes", "models")
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.output.splitlines() if "fwd/bfloat16" in line]
+    assert rows and all("vendor" in row and "no measurement near: SDPA-cuDNN" in row for row in rows), r.output
+    said = " ".join(invoke("info").output.split())
+    assert "no winners for this GPU: SDPA-cuDNN serves every problem it takes" in said

@@ -146,3 +146,26 @@ def test_every_extra_the_readme_installs_exists():
     named = set(re.findall(r"""pip install ['"]\.\[(\w+)\]['"]""", README.read_text(encoding="utf-8")))
     assert {"datasette", "postgres", "test"} <= named
     assert named <= extras, named - extras
+
+
+def test_the_options_of_the_gpu_blocks_exist():
+    """Blocks that need a GPU are not run here: the options their autoflash commands pass are at
+    least ones the command takes."""
+    from click.testing import CliRunner
+
+    from autoflash.cli import cli
+
+    for block in BLOCKS:
+        if "gpu" not in block.tags:
+            continue
+        for line in block.code.splitlines():
+            words = shlex.split(line.split("#")[0])
+            if len(words) < 2 or words[0] != "autoflash":
+                continue
+            command = [w for w in words[1:3] if not w.startswith("-")][:2]
+            said = CliRunner().invoke(cli, [*command, "--help"]).output
+            if "Usage:" not in said or "Commands:" in said:
+                command = command[:1]
+                said = CliRunner().invoke(cli, [*command, "--help"]).output
+            unknown = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in said]
+            assert not unknown, f"{block}: `{line.strip()}` passes {unknown}, which `autoflash {' '.join(command)}` lacks"

@@ -92,3 +92,21 @@ def test_random_shape_sets_are_reproducible_and_realistic():
     assert any(s.seqlen_q != s.seqlen_k for s in first) and any(s.heads_q != s.heads_kv for s in first)
     with pytest.raises(ValueError, match="random:N"):
         load_shape_set("random:x")
+
+
+H100 = GPUFingerprint("NVIDIA H100 80GB HBM3", 9, 0, 132, 232448, "2.11.0", "3.6.0", "13.0", "0.1.0")
+
+
+def test_a_gpu_with_no_rows_of_its_own_is_served_sdpa_cudnn_whatever_its_neighbours_measured(tmp_path):
+    """An H100 where only an H200's winners are stored (the shipped DBs on a new GPU): own kernels that
+    beat cuDNN on the H200 are no evidence here, so SDPA-cuDNN serves every problem it takes, forward
+    and backward; `autoflash tune` on the H100 is what can change that."""
+    forward, backward = prob(), prob(op="bwd")
+    db = make_db(tmp_path / "h200.db", [(forward, 0.8, 1.0), (backward, 0.8, 1.0)])  # own 1.25x cuDNN there
+    h200 = Dispatcher(winner_paths=[db])
+    assert not load_space(h200.variant_for(forward, H200).family).vendor  # (the H200 serves its own)
+    h100 = Dispatcher(winner_paths=[db])
+    for problem in (forward, backward):
+        variant, why = h100.choose(problem, H100)
+        assert variant == cudnn_variant(problem, H100) and "no measurement near" in why
+    assert not h100.winners(H100).rows

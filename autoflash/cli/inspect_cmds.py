@@ -33,7 +33,26 @@ def info():
         t.add_row(label, f"{path}{'' if path.is_file() else ' (absent)'}")
     table = WinnerTable(device, paths)
     t.add_row("winners that apply here", str(len(table.rows)))
+    t.add_row("serves", _serving_summary(device, table, paths))
     console.print(t)
+
+
+def _serving_summary(device, table, paths) -> str:
+    """Who serves the problems this GPU has winners for, and what serves the rest."""
+    from autoflash.dispatch import Dispatcher
+    from autoflash.problem import Problem
+    from autoflash.space import load_space
+
+    rest = ("SDPA-cuDNN serves every problem it takes (a GPU, float16/bfloat16) that no measurement here or near "
+            "shows the own kernels faster on, the built-in defaults the rest" if device.on_gpu else
+            "the interpreter: the own kernels (the built-in defaults where untuned)")
+    if not table.rows:
+        return (f"no winners for this GPU: {rest}; `autoflash tune` measures which is faster" if device.on_gpu
+                else f"no winners here: {rest}")
+    disp = Dispatcher(paths)
+    vendor = sum(bool(load_space(disp.variant_for(Problem.from_key(key), device).family).vendor) for key in table.rows)
+    return (f"of its {len(table.rows)} tuned problems, own kernels {len(table.rows) - vendor}, torch SDPA {vendor}; "
+            f"elsewhere {rest} (per shape and why: autoflash which --shapes ...)")
 
 
 @click.command()
@@ -46,9 +65,10 @@ def info():
 def which(shapes, op, db_file, interpret):
     """Which kernel autoflash.attention serves for each shape on this machine, and where it comes from.
 
-    For each shape: the problem key, whether a tuned winner matched (exact or nearest seqlen bucket)
-    or the built-in default is used, the DB file the winner was read from, and the variant.
-    Nothing is compiled or launched.
+    For each shape: the problem key, whether autoflash's own kernel or torch SDPA (vendor) serves
+    it and why (a tuned winner of the exact or nearest bucket, the serving policy's evidence, the
+    built-in default), the DB file the winner was read from, and the variant. Nothing is compiled
+    or launched.
 
     Example: autoflash which --shapes standard
     Example: autoflash which --op decode --db my-tuning.db
@@ -61,17 +81,26 @@ def which(shapes, op, db_file, interpret):
     from autoflash import resources
     from autoflash.device import gpu_fingerprint
     from autoflash.dispatch import Dispatcher, get_dispatcher
+    from autoflash.serving_policy import VENDOR_FAMILIES, cudnn_variant
+    from autoflash.space import load_space
 
     shape_list = load_shapes(shapes or default_shape_set(op, interpret), op)
     device = gpu_fingerprint()
     disp = get_dispatcher() if db_file is None else Dispatcher([Path(db_file), *resources.shipped_databases()])
     t = Table(title=f"kernels served on {device.name} ({op}; tensors in their default layout)")
-    for col in ("shape", "problem", "winner", "from", "variant"):
+    for col in ("shape", "problem", "serves", "winner", "why", "from", "variant"):
         t.add_column(col)
     for shape in shape_list:
         problem = dataclasses.replace(shape, op=op).problem
         variant, how = disp.choose(problem, device)
         tuned = how == "exact" or how.startswith("nearest (")  # (else the serving policy or the default)
+        vendor = bool(load_space(variant.family).vendor)
+        if vendor:
+            why = "SDPA won the tune" if tuned else "serving policy: SDPA-cuDNN until own kernels measure faster"
+        elif cudnn_variant(problem, device) is None:
+            why = "SDPA-cuDNN cannot take it here" if op in VENDOR_FAMILIES else ""
+        else:  # (the policy let the own kernel serve: on this evidence)
+            why = disp.winners(device).evidence.own_faster(problem)[1]
         origin = disp.winners(device).explain(problem)[2] if tuned else None
         served = f"{variant.family}: {variant.short()}"
         knobs = variant.as_dict()
@@ -80,5 +109,5 @@ def which(shapes, op, db_file, interpret):
                 own = disp.variant_for(dataclasses.replace(shape, op=op_of_half).problem, device, own_only=True)
                 served += f" ({half.lower()}: {own.family}: {own.short()})"
         source = Path(origin).name if origin else "built-in" if how == "default" else "serving policy"
-        t.add_row(shape.label(), problem.key, how, source, served)
+        t.add_row(shape.label(), problem.key, "vendor" if vendor else "own", how, why, source, served)
     console.print(t)

@@ -12,41 +12,6 @@ from autoflash.cli.common import (OPS, console, default_shape_set, load_shapes, 
 from autoflash.problem import DTYPES, Problem
 
 
-class _RichReporter:
-    """Draws tuning progress: a bar over problems and one over the current problem's trials."""
-
-    def __init__(self, progress):
-        self.progress = progress
-        self.problems = None
-        self.trials = None
-
-    def problem_started(self, index, total, shape):
-        if self.problems is None:
-            self.problems = self.progress.add_task("problems", total=total)
-        self.progress.update(self.problems, completed=index, description=f"problem {index + 1}/{total}")
-        if self.trials is not None:
-            self.progress.remove_task(self.trials)
-        self.trials = self.progress.add_task(shape.label(), total=None)
-
-    def trial_done(self, measured, budget, variant, outcome, best_tflops):
-        best = f"best {best_tflops:.1f} TFLOP/s" if best_tflops == best_tflops else "no valid candidate yet"
-        self.progress.update(self.trials, completed=measured, total=budget,
-                             description=f"{best} | last: {outcome.status}")
-
-    def problem_done(self, result):
-        self.progress.advance(self.problems)
-        if result.winner is not None:
-            self.progress.console.print(
-                f"[green]{result.shape.label()}[/]: {result.tflops('tuned'):.1f} TFLOP/s "
-                f"(default {result.tflops('default'):.1f}) after {result.measured} trials, "
-                f"{result.failed} failed; winner {result.winner.short()}")
-        elif result.status == "picking_elsewhere":
-            self.progress.console.print(f"[yellow]{result.shape.label()}[/]: its winner is being picked by "
-                                        f"{result.picked_by} (a worker sharing the studies)")
-        else:
-            self.progress.console.print(f"[red]{result.shape.label()}[/]: {result.status}")
-
-
 def _results_table(results, title):
     """One row per problem: TFLOP/s of the tuned winner, the default and (on a GPU) SDPA, ratios."""
     import math
@@ -106,7 +71,7 @@ def _tune_shapes(op_list, shapes, dtype, interpret):
     return shape_list
 
 
-def _report(results, store, op_list, device, interpret, md_path, trials):
+def _report(results, store, op_list, device, interpret, md_path, trials, summaries=(), plot_path=None):
     title = f"TFLOP/s ({', '.join(op_list)}) on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
     if interpret:
         title += " (interpreter: not GPU performance)"
@@ -124,6 +89,20 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
                       f"measured candidates (fewest: {fewest}). Short searches miss good "
                       "variants: the same command with a larger --budget continues them (trials already in "
                       "the DB count).[/]")
+    from autoflash.cli.tune_progress import forecast_lines, plot
+
+    for summary in summaries[:1]:  # (several workers: the first one's view)
+        took = f"The run took {summary.elapsed_s / 60:.1f} minutes"
+        if summary.budget_s is not None:
+            took += f" of its {summary.budget_s / 60:.1f}-minute budget"
+        if not interpret:
+            took += f"; {summary.compiled} variants compiled (each binary once, shared by the problems that need it)"
+        console.print(took + ".")
+        for line in forecast_lines(summary):
+            console.print(line)
+    if plot_path and summaries:
+        plot(list(summaries), plot_path, title)
+        console.print(f"plot: {plot_path}")
     # (a pick recorded elsewhere without a winner is a failed problem, said with the failures)
     elsewhere = [r for r in results if (r.picked_by and r.winner is not None) or r.status == "picking_elsewhere"]
     if elsewhere:
@@ -158,11 +137,23 @@ def _report(results, store, op_list, device, interpret, md_path, trials):
               help="Timing repetition time per candidate (ms): device time, the host kept ahead of the GPU.")
 @click.option("--interpret", is_flag=True,
               help="Run the whole pipeline on tiny shapes in Triton's CPU interpreter (no GPU; timings are not GPU performance).")
+@click.option("--hide-shipped-rows", is_flag=True,
+              help="Tune as if this GPU were new: its winners in the shipped DBs are left out (no seeds, no "
+                   "training pairs); other GPUs' winners of its architecture still seed the searches (pair with "
+                   "a fresh --db).")
+@click.option("--transfer-seeds/--no-transfer-seeds", default=True, show_default=True,
+              help="Seed each search with the winners of the nearest problems on other GPUs of this GPU's "
+                   "architecture (shipped DBs and the results DB), gated and timed again here.")
+@output_option("--plot", "plot_path", help="Write best-so-far TFLOP/s against time, one line per problem (PNG).")
 @output_option("--markdown", "md_path", help="Also write the final table as Markdown.")
 def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, storage, seed, rep_ms, interpret,
-         md_path):
+         hide_shipped_rows, transfer_seeds, plot_path, md_path):
     """Tune this GPU: search kernel variants per problem, store the winners.
 
+    The run is planned over its whole budget: first every problem's torch SDPA backends and seeds
+    (its stored winner, the winners of the nearest problems on other GPUs of its architecture, the
+    default), so that any budget leaves every problem with a measured winner, then search rounds
+    where the expected gain is largest, then each problem's final re-measure, ending on time.
     Every candidate is checked against a float64 reference before it is timed; failures
     (compile errors, wrong results, crashes, hangs) are recorded and the run goes on. Interrupt
     it at any time: finished trials are stored and a re-run resumes. With several GPUs, one
@@ -170,6 +161,8 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     0 every problem has a winner, 1 some got none (named), 2 a usage error, 130/143 interrupted.
 
     Example: autoflash tune --budget 15
+    Example: autoflash tune --ops fwd,bwd --shapes newgpu --budget 5 --plot tune.png
+    Example: autoflash tune --hide-shipped-rows --db /tmp/as-new.db --budget 5   (as if this GPU were new)
     """
     from autoflash.cli.common import open_store
     from autoflash.device import gpu_fingerprint
@@ -192,7 +185,8 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
         raise click.BadParameter(f"{n} workers need {n} GPUs, {len(gpus)} visible: two measuring processes on one "
                                  "GPU would disturb each other's timings", param_hint="'--workers'")
     options = tune_mod.TuneOptions(trials=trials, budget_s=budget * 60 if budget else None, seed=seed,
-                                   rep_ms=rep_ms, interpret=interpret, storage=storage)
+                                   rep_ms=rep_ms, interpret=interpret, storage=storage,
+                                   hide_shipped_rows=hide_shipped_rows, transfer_seeds=transfer_seeds)
     options.compile_workers = compile_workers or max(1, options.compile_workers // n)
     store = open_store(db_path, readonly=False)
     make_storage(storage, store.path)  # a storage that cannot be used is said now, in one line
@@ -211,38 +205,46 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     command = " ".join(["autoflash", *sys.argv[1:]])
     try:
         with sigterm_interrupts():  # a scheduler's SIGTERM stops the run like Ctrl-C: work stored, DB one file
+            summaries = []
             if n == 1:
-                results = _tune_one(workers_mod, shape_list, store, options, command)
+                results = _tune_one(workers_mod, shape_list, store, options, command, summaries)
             else:
-                results = _tune_many(workers_mod, shape_list, store, options, n, gpus, command)
+                results = _tune_many(workers_mod, shape_list, store, options, n, gpus, command, summaries)
     except Exception as e:  # noqa: BLE001 - the studies' database failing is one line, other errors rise
         if not workers_mod.storage_failure(e):
             raise
         raise click.ClickException(f"the Optuna storage {describe(storage, store.path)} failed: {one_line(e)}") from None
-    _report(results, store, op_list, device, interpret, md_path, trials)
+    _report(results, store, op_list, device, interpret, md_path, trials, summaries, plot_path)
     if missing := without_winner(results):  # exit 1: a script must not take a partial run for a tuned one
         raise click.ClickException(
             f"{len(missing)} of {len(results)} problems got no winner: "
             + ", ".join(f"{r.shape.label()} ({r.status.replace('_', ' ')})" for r in missing))
 
 
-def _tune_one(workers_mod, shape_list, store, options, command):
+def _tune_one(workers_mod, shape_list, store, options, command, summaries):
     """One worker, in this process, with progress bars."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from autoflash.cli.tune_progress import RichReporter
     from autoflash.tuning.gpulock import GPUBusyError
 
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     try:
         with Progress(*columns, console=console, transient=False) as progress:
-            return workers_mod.tune(shape_list, store, options, reporter=_RichReporter(progress), command=command)
+            reporter = RichReporter(progress)
+            try:
+                return workers_mod.tune(shape_list, store, options, reporter=reporter, command=command)
+            finally:
+                summaries += reporter.summaries
     except GPUBusyError as e:
         raise click.ClickException(str(e)) from None
 
 
-def _tune_many(workers_mod, shape_list, store, options, n, gpus, command):
+def _tune_many(workers_mod, shape_list, store, options, n, gpus, command, summaries):
     """n worker processes; a line per winner as each is picked, a line per worker that failed."""
     def said(kind, worker, result):
+        if kind == "summary":
+            summaries.append(result)
         if kind != "problem" or result.picked_by or result.status == "picking_elsewhere":
             return
         if result.winner is not None:

@@ -18,7 +18,7 @@ from autoflash.tuning.timing import tflops
 @dataclasses.dataclass
 class TuneOptions:
     trials: int = 40  # measured candidates per problem (pruned suggestions do not count)
-    budget_s: float | None = None  # whole run; split evenly over the problems left
+    budget_s: float | None = None  # whole run, planned over all its problems (tuning/planner.py)
     top_k: int = 3
     rounds: int = 3  # interleaved re-measurement rounds for the top candidates
     rep_ms: float = 40
@@ -32,6 +32,10 @@ class TuneOptions:
     # path, or a database URL (postgresql://...): see autoflash.tuning.storage.
     storage: str | None = None
     worker: int = 0  # this worker's index among those started together: where its problem order starts
+    # Tune as if this GPU were new: its winners in the shipped DBs are no seeds and pair no backward
+    # (other GPUs' winners of its architecture still seed the searches).
+    hide_shipped_rows: bool = False
+    transfer_seeds: bool = True  # seed searches with the winners of other GPUs of the same architecture
     # Test hooks: picklable top-level functions with sandbox.evaluate_variant's signature
     # (remeasure_fn: with sandbox.remeasure's).
     evaluate_fn: Callable | None = None
@@ -66,9 +70,12 @@ def without_winner(results: list[ProblemResult]) -> list[ProblemResult]:
 class Reporter:
     """Progress callbacks (the CLI draws them with rich; the library stays silent)."""
 
-    def problem_started(self, index: int, total: int, shape: Shape) -> None: ...
+    # A step of the run's plan on one problem: "vendor", "seeds", "search" or "pick" (tuning/planner.py).
+    def step_started(self, kind: str, index: int, total: int, shape: Shape) -> None: ...
     def trial_done(self, measured: int, budget: int, variant: Variant, outcome, best_tflops: float) -> None: ...
+    def plan_update(self, snapshot) -> None: ...  # a planner.Snapshot: phase, ETA, each problem's state
     def problem_done(self, result: ProblemResult) -> None: ...
+    def run_finished(self, summary) -> None: ...  # a planned.RunSummary
 
 
 def spread(xs) -> float:

@@ -15,13 +15,15 @@ from autoflash.store import Store
 
 
 def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, thash: str, rows: list[dict],
-                  budget: int) -> list[Variant]:
+                  budget: int, transferred: tuple[list, list] = ((), ())) -> list[Variant]:
     """The default and known-good variants: the winner served today and its twin with the other
-    DQ_OVERLAP (backward); this problem's winners under earlier versions of the
-    template (a warm start after a template edit; knobs they lack take the default's values); for
-    a causal problem, the heavy_first grid order of the default and of the first earlier winner;
-    then other problems' winners of the same dtype and head dim. rows: winners rows of this GPU
-    (this DB's and the shipped ones)."""
+    DQ_OVERLAP (backward); this problem's winner on another GPU of the same architecture (before
+    the default: a neighbour's winner beats the default more often than not); this problem's
+    winners under earlier versions of the template (a warm start after a template edit; knobs they
+    lack take the default's values); the nearest problems' winners on those GPUs; for a causal
+    problem, the heavy_first grid order of the default and of the first earlier winner; then other
+    problems' winners of the same dtype and head dim. rows: winners rows of this GPU (this DB's and
+    the shipped ones); transferred: (exact, nearest) of `transfer.transferred_seeds`."""
     space = load_space(default.family)
     rows = [w for w in rows if w["op"] == problem.op and w["head_dim"] == problem.head_dim]
     # The winner served today for this very problem (this DB's or shipped) comes first: a short
@@ -32,8 +34,9 @@ def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, th
                and codegen.family_for_hash(problem.op, w["template_hash"]) is None]
     others = [w for w in rows if w["problem"] != problem.key and w["template_hash"] == thash
               and w["dtype"] == problem.dtype]
-    known = current + [default] + _valid_variants(earlier, default, problem, device, thash, space)
-    seeds = current + _overlap_twins(current[:1], problem, device, space) + known
+    exact, near = transferred
+    known = current + list(exact) + [default] + _valid_variants(earlier, default, problem, device, thash, space)
+    seeds = current + _overlap_twins(current[:1], problem, device, space) + known + list(near)
     seeds += _heavy_first_twins(known[:2], problem, device, space)
     seeds += _valid_variants(others, default, problem, device, thash, space)
     return list(dict.fromkeys(seeds))[: max(2, budget // 4)]

@@ -99,19 +99,20 @@ class SharedTuner(Tuner):
         self.store.drop_orphan_claims()
 
     # ------------------------------------------------------------------ the search
-    def _search(self, shape, family, valid, default, done, trials, deadline):
+    def _search(self, ps, family, n, deadline, force=False):
         try:
-            return super()._search(shape, family, valid, default, done, trials, deadline)
-        finally:  # (a trial left unmeasured, out of time, was told PRUNED)
+            return super()._search(ps, family, n, deadline, force)
+        finally:  # (a trial left unmeasured, out of time, was failed and queued again)
             thash = codegen.template_hash(family)
-            self._asked = {k: v for k, v in self._asked.items() if k[:2] != (shape.problem.key, thash)}
-            study = self._searches.get((shape.problem.key, thash), (None,))[0]
+            self._asked = {k: v for k, v in self._asked.items() if k[:2] != (ps.problem.key, thash)}
+            study = self._searches.get((ps.problem.key, thash), (None,))[0]
             if study is not None:
                 self.liveness.searching(study._study_id, False)
 
-    def _open_search(self, problem, thash, first, valid, trials, budget):
-        study, queue_ = super()._open_search(problem, thash, first, valid, trials, budget)
-        self._searches[(problem.key, thash)] = (study, valid, trials)
+    def _open_search(self, ps, family, thash, budget):
+        study, queue_ = super()._open_search(ps, family, thash, budget)
+        problem, valid = ps.problem, ps.valid[family]
+        self._searches[(problem.key, thash)] = (study, valid, budget)
         if study is not None:
             self.liveness.searching(study._study_id, True)
             self._budgets[study.study_name] = budget
@@ -240,7 +241,7 @@ class SharedTuner(Tuner):
             return
         for trial, _ in batch:
             self.liveness.adopt(trial._trial_id)
-        compiled = self._compile_async(batch, shape).result()
+        compiled = self.compiles.start([v for _, v in batch], shape).result()
         for (trial, variant), outcome in zip(batch, compiled):
             self._asked.setdefault((shape.problem.key, thash, variant.json()), []).append((study, trial))
             row, outcome = self._measure(variant, outcome, shape, thash)

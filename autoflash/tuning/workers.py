@@ -35,10 +35,12 @@ from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 
 
 def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Reporter | None = None,
-              command: str = "") -> list[ProblemResult]:
+         command: str = "") -> list[ProblemResult]:
     """One worker, in this process: holds this GPU's lock (not in the interpreter), tunes every
-    problem starting at problem `options.worker`; one result per problem, in the given order."""
+    problem in the passes of a plan over the whole budget (`planned`), taking them from problem
+    `options.worker` on; one result per problem, in the given order."""
     from autoflash.tuning.gpulock import current_gpu_lock
+    from autoflash.tuning.planned import run_planned
     from autoflash.tuning.shared import SharedTuner
     from autoflash.tuning.results import representative_shapes
 
@@ -51,18 +53,7 @@ def tune(shapes: list[Shape], store: Store, options: TuneOptions, reporter: Repo
         results: dict[int, ProblemResult] = {}
         status = "interrupted"
         try:
-            for i, index in enumerate(_order(len(todo), options.worker)):
-                shape = todo[index]
-                deadline = None
-                if options.budget_s is not None:
-                    left = options.budget_s - (options.clock() - start)
-                    if left <= 0:
-                        results[index] = ProblemResult(shape, shape.problem, None, {}, math.nan, 0, 0, "skipped", True)
-                        continue
-                    deadline = options.clock() + left / (len(todo) - i)
-                reporter.problem_started(i, len(todo), shape)
-                results[index] = tuner.tune_problem(shape, deadline)
-                reporter.problem_done(results[index])
+            results = run_planned(tuner, todo, options, reporter, start, _order(len(todo), options.worker))
             status = "finished"
         finally:
             tuner.close(status, len(results))
@@ -84,11 +75,14 @@ class _QueueReporter(Reporter):
     def __init__(self, events, worker: int):
         self.events, self.worker = events, worker
 
-    def problem_started(self, index, total, shape):
-        self.events.put(("started", self.worker, (index, total, shape)))
+    def step_started(self, kind, index, total, shape):
+        self.events.put(("started", self.worker, (kind, index, total, shape)))
 
     def problem_done(self, result):
         self.events.put(("problem", self.worker, result))
+
+    def run_finished(self, summary):
+        self.events.put(("summary", self.worker, summary))
 
 
 _LEVELS = ("debug", "info", "warning", "error", "critical")

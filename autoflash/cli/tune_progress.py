@@ -1,0 +1,143 @@
+"""`autoflash tune`'s progress: the plan's phase and ETA, each problem's state (vendor only,
+seeded, searched, picked; best own vs vendor) at each pass's end, a line per winner, what a
+larger budget is expected to gain, and `--plot`'s best-so-far curves."""
+
+from __future__ import annotations
+
+import math
+
+from rich.table import Table
+
+from autoflash.space import load_space
+
+PHASES = {"vendor": "vendor pass (SDPA backends)", "seeds": "seed pass (stored, neighbours' and default variants)",
+          "rounds": "search rounds", "picks": "final picks (interleaved re-measure)", "done": "done"}
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def own_vs_vendor(own_ms: float, vendor_ms: float) -> str:
+    """'1.07x' (own faster) / '0.85x', '-' where either is unmeasured: vendor time / own time."""
+    if math.isfinite(own_ms) and math.isfinite(vendor_ms) and own_ms > 0:
+        return f"{vendor_ms / own_ms:.2f}x"
+    return "-"
+
+
+def state_table(snapshot, title: str) -> Table:
+    t = Table(title=title)
+    for col, justify in (("problem", "left"), ("state", "left"), ("own / vendor speed", "right"),
+                         ("own candidates", "right")):
+        t.add_column(col, justify=justify, overflow="fold")
+    for r in snapshot.rows:
+        t.add_row(r.label, r.stage, own_vs_vendor(r.own_ms, r.vendor_ms), f"{r.measured}/{r.cap}")
+    return t
+
+
+class RichReporter:
+    """Draws a planned run: a bar over the run's expected time (phase, ETA), one over the current
+    step's candidates; prints the problems' states as each pass ends and a line per winner."""
+
+    def __init__(self, progress):
+        self.progress = progress
+        self.run = progress.add_task("planning", total=1.0)
+        self.step = None
+        self.phase = None
+        self.told = set()
+        self.summaries = []  # planned.RunSummary of each worker (one here)
+
+    def step_started(self, kind, index, total, shape):
+        if self.step is not None:
+            self.progress.remove_task(self.step)
+        self.step = self.progress.add_task(f"{kind}: {shape.label()}", total=None)
+
+    def trial_done(self, measured, budget, variant, outcome, best_tflops):
+        best = f"best {best_tflops:.1f} TFLOP/s" if best_tflops == best_tflops else "no valid candidate yet"
+        self.progress.update(self.step, completed=measured, total=budget, description=f"{best} | last: {outcome.status}")
+
+    def plan_update(self, snapshot):
+        total = snapshot.elapsed_s + snapshot.eta_s
+        self.progress.update(self.run, completed=snapshot.elapsed_s / total if total > 0 else 1.0,
+                             description=f"{PHASES.get(snapshot.phase, snapshot.phase)} | ETA {_clock(snapshot.eta_s)}")
+        if snapshot.phase != self.phase:
+            done = self.phase
+            self.phase = snapshot.phase
+            if done in ("seeds", "rounds") and done not in self.told:  # (a pick can give time back to rounds)
+                self.told.add(done)
+                self.progress.console.print(state_table(
+                    snapshot, f"after the {PHASES[done]} at {_clock(snapshot.elapsed_s)} "
+                              f"(ETA {_clock(snapshot.eta_s)} more)"))
+
+    def problem_done(self, result):
+        if result.winner is not None:
+            vendor = load_space(result.winner.family).vendor
+            self.progress.console.print(
+                f"[green]{result.shape.label()}[/]: {result.tflops('tuned'):.1f} TFLOP/s "
+                f"(default {result.tflops('default'):.1f}) after {result.measured} trials, "
+                f"{result.failed} failed; serves {'vendor' if vendor else 'own'}: {result.winner.short()}")
+        elif result.status == "picking_elsewhere":
+            self.progress.console.print(f"[yellow]{result.shape.label()}[/]: its winner is being picked by "
+                                        f"{result.picked_by} (a worker sharing the studies)")
+        else:
+            self.progress.console.print(f"[red]{result.shape.label()}[/]: {result.status}")
+
+    def run_finished(self, summary):
+        self.summaries.append(summary)
+        if self.step is not None:  # (the last pick's bar: the run bar says done)
+            self.progress.remove_task(self.step)
+            self.step = None
+
+
+def forecast_lines(summary) -> list[str]:
+    """What a larger budget is expected to gain (`planned.served_gain`), in a few lines."""
+    from autoflash.tuning.planned import served_gain
+
+    if all(r.measured >= r.cap for r in summary.snapshot.rows):
+        return ["Every search reached its trial budget: a larger --trials, not a larger --budget, searches further."]
+    gain, movers = served_gain(summary)
+    more = f"{summary.extra_s / 60:.1f} more minutes"
+    if summary.budget_s is not None:
+        more = f"a budget of {(summary.budget_s + summary.extra_s) / 60:.1f} minutes (--budget)"
+    if not movers:
+        return [f"A larger budget ({more}) is not expected to change what serves: the searches have converged "
+                "or their own kernels are far from the vendor's."]
+    lines = [f"With {more}, the served kernels are expected {100 * (gain - 1):.1f}% faster (geomean, from "
+             f"this run's search curves), mostly on:"]
+    for label, now, expected, vendor in sorted(movers, key=lambda m: m[2] / m[1])[:5]:
+        flip = " (own would serve)" if expected < vendor <= now else ""
+        lines.append(f"  {label}: own {own_vs_vendor(now, vendor)} -> {own_vs_vendor(expected, vendor)} "
+                     f"the vendor's speed{flip}")
+    return lines
+
+
+def plot(summaries: list, path: str, title: str) -> None:
+    """Best-so-far TFLOP/s against time, one line per problem (the faster of own and vendor), the
+    own kernels' alone dashed where the vendor's is ahead."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from autoflash.tuning.timing import tflops
+
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for summary in summaries:
+        for shape, history in zip(summary.shapes, summary.histories):
+            if not history:
+                continue
+            ts = [0.0] + [t for t, _, _ in history]
+            served = [math.nan] + [tflops(shape, min(own, vendor)) for _, own, vendor in history]
+            line, = ax.step(ts, served, where="post", label=shape.label())
+            own = [math.nan] + [tflops(shape, o) for _, o, _ in history]
+            if any(o == o and s == s and o < s for o, s in zip(own, served)):
+                ax.step(ts, own, where="post", linestyle="--", color=line.get_color(), alpha=0.5)
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylabel("best so far, TFLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,131 @@
+"""A tuning run planned over its whole budget: the `planner`'s passes carried out by a `Tuner`, the
+compiles started ahead of their measurement, the progress it reports, and at the end what a larger
+budget is expected to gain."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from autoflash.problem import Shape
+from autoflash.space import load_space
+from autoflash.tuning.planner import Arm, Costs, Planner, ProblemPlan, Snapshot
+from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """What the run did, for the end of its report and `tune --plot`."""
+
+    elapsed_s: float
+    budget_s: float | None
+    snapshot: Snapshot
+    shapes: list  # per planned problem, its Shape
+    histories: list  # per planned problem, [(seconds into the run, best own ms, best vendor ms)]
+    extra_s: float  # the larger budget `forecast` is for: this much more time
+    forecast: list  # per planned problem, (label, own ms now, own ms expected, vendor ms)
+    compiled: int  # variants sent to the compile pool (each binary once)
+
+
+# A compile batch's wall time per family where it differs from the default prior (measured on an
+# H100, Triton 3.6: a Triton batch of 12 variants ~8 s, a Gluon forward batch ~27 s).
+COMPILE_PRIORS_S = {"gluon_sm90_fwd": 27.0}
+
+
+def costs_for(options: TuneOptions) -> Costs:
+    """The planner's priors, replaced by the run's own measurements as they come: SDPA backends ~3 s a
+    problem and a candidate ~1.5 s (an H100: 27 forward candidates in 37 s); a pick re-times about
+    top_k + 4 methods for `rounds` rounds, each ~3 rep_ms of wall time (spins, flushes). The
+    interpreter compiles nothing and has no vendor candidates."""
+    if options.interpret:
+        return Costs(vendor_s=0.0, pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5)
+    pick_s = 1.0 + (options.top_k + 4) * options.rounds * (3 * options.rep_ms / 1e3 + 0.05)
+    return Costs(pick_s=pick_s, prior_waits=dict(COMPILE_PRIORS_S))
+
+
+def plan_of(ps) -> ProblemPlan:
+    arms = [Arm(f, ps.caps[f], len(ps.seeds[f]), measured=ps.counted.get(f, 0), best_ms=ps.best_ms([f]))
+            for f in ps.own]
+    return ProblemPlan(ps.shape.label(), arms, has_vendor=bool(ps.vendor), vendor_ms=ps.best_ms(ps.vendor))
+
+
+def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Reporter, start: float,
+                order: list[int]) -> dict[int, ProblemResult]:
+    """Tune `shapes` (one per problem) in the planner's passes; order: the shapes' indices in the
+    order this worker takes them. Returns {shape index: result}."""
+    results, searches, index = {}, [], []
+    for i in order:
+        ps = tuner.open_problem(shapes[i])
+        if ps is None:
+            results[i] = ProblemResult(shapes[i], shapes[i].problem, None, {}, math.nan, 0, 0, "no_valid_candidate")
+            reporter.problem_done(results[i])
+            continue
+        searches.append(ps)
+        index.append(i)
+    plans = [plan_of(ps) for ps in searches]
+    batch = options.compile_workers if tuner.compilers else 1
+    planner = Planner(plans, options.budget_s, options.clock, costs_for(options), start=start, batch=batch)
+    _compile_seeds(tuner, planner, searches)
+    while (step := planner.next_step()) is not None:
+        ps = searches[step.problem]
+        reporter.step_started(step.kind, step.problem, len(searches), ps.shape)
+        if step.kind == "vendor":
+            tuner.measure_vendor(ps)
+            planner.done(step, vendor_ms=ps.best_ms(ps.vendor))
+        elif step.kind == "pick":
+            result = tuner.pick(ps)
+            results[index[step.problem]] = result
+            winner = result.winner
+            planner.done(step, served="" if winner is None else "vendor" if load_space(winner.family).vendor else "own")
+            reporter.problem_done(result)
+        else:
+            ahead = None
+            if step.kind == "search" or all(p.seeded or p is plans[step.problem] for p in plans):
+                ahead = _compile_ahead(tuner, planner, searches, step)  # (the last seed step: the first round's)
+            reports = tuner.search(ps, step.counts, step.deadline, then=ahead, force=step.kind == "seeds")
+            planner.done(step, arms=reports)
+        reporter.plan_update(planner.snapshot())
+    elapsed = options.clock() - start
+    extra = options.budget_s if options.budget_s is not None else elapsed
+    reporter.run_finished(RunSummary(
+        elapsed, options.budget_s, planner.snapshot(), [ps.shape for ps in searches], [p.history for p in plans],
+        extra, planner.forecast(extra), tuner.compiles.requested))
+    return results
+
+
+def _compile_seeds(tuner, planner: Planner, searches: list) -> None:
+    """The seed pass's candidates start compiling now, in one batch, while the vendor pass measures."""
+    items = []
+    for i, counts in planner.planned_seeds().items():
+        for family, n in counts:
+            items += [(v, searches[i].shape) for v in searches[i].seeds[family][:n]]
+            planner.compiling(i, family, n)
+    if items:
+        tuner.compiles.start_all(items)
+
+
+def _compile_ahead(tuner, planner: Planner, searches: list, step):
+    """A callback for the step's search: once its own first batch is compiling, the search expected
+    after it starts compiling its batch too, to be ready when the GPU is."""
+    def ahead():
+        nxt = planner.peek(step)
+        if nxt is not None and tuner.compilers is not None:
+            i, family, n = nxt
+            asked = tuner.ask_ahead(searches[i], family, n)
+            if asked:
+                planner.compiling(i, family, asked)
+    return ahead
+
+
+def served_gain(summary: RunSummary) -> tuple[float, list]:
+    """(expected geomean speed-up of the served kernels with the larger budget, the problems it
+    comes from: (label, own ms now, expected, vendor ms)). Served: the faster of own and vendor."""
+    ratios, movers = [], []
+    for label, now, expected, vendor in summary.forecast:
+        before, after = min(now, vendor), min(expected, vendor)
+        if math.isfinite(before) and math.isfinite(after) and after > 0:
+            ratios.append(before / after)
+            if before / after > 1.005:
+                movers.append((label, now, expected, vendor))
+    gain = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 1.0
+    return gain, movers

@@ -1,0 +1,94 @@
+"""The run's compiles (autoflash/tuning/compiles.py) on a real worker pool, and the short timing
+that stops a clearly slower candidate (sandbox.evaluate_variant)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Shape
+from autoflash.space import default_variant, load_space
+from autoflash.tuning import sandbox
+from autoflash.tuning.compiles import Compiles, compile_key
+
+TINY = Shape(1, 2, 2, 37, 37, 64, True, "float16")
+
+
+def test_problems_that_need_the_same_binary_share_one_compile_key():
+    v = default_variant("fwd", TINY.problem, gpu_fingerprint())
+    longer = dataclasses.replace(TINY, seqlen_q=53, seqlen_k=53)  # another bucket, the same specialization
+    assert compile_key(v, TINY) == compile_key(v, longer)
+    for other in (dataclasses.replace(TINY, seqlen_q=64, seqlen_k=64),  # divisible by 16: another binary
+                  dataclasses.replace(TINY, causal=False), dataclasses.replace(TINY, dtype="bfloat16"),
+                  dataclasses.replace(TINY, heads_q=4, heads_kv=1)):
+        assert compile_key(v, other) != compile_key(v, TINY)
+    w = next(x for x in load_space(v.family).valid_variants(TINY.problem, gpu_fingerprint()) if x != v)
+    assert compile_key(w, TINY) != compile_key(v, TINY)
+
+
+def crash_on_block_n_32(variant_json, family, shape, rep_ms, device_str):
+    """A compile that kills its worker for one variant (the first time: a flaky compiler), else real."""
+    import json
+
+    marker = os.environ["AUTOFLASH_TEST_MARKER"]
+    if json.loads(variant_json).get("BLOCK_N") == 32 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(9)
+    return sandbox.compile_variant(variant_json, family, shape, rep_ms, device_str)
+
+
+@pytest.mark.interpreter
+def test_each_binary_is_compiled_once_and_a_crashed_compile_is_tried_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_TEST_MARKER", str(tmp_path / "crashed"))
+    device = gpu_fingerprint()
+    variants = load_space("triton_fwd").valid_variants(TINY.problem, device)
+    a = next(v for v in variants if v["BLOCK_N"] != 32)
+    b = next(v for v in variants if v["BLOCK_N"] == 32)
+    pool = sandbox.WorkerPool(2, "cpu", {"TRITON_INTERPRET": "1"})
+    try:
+        compiles = Compiles(pool, crash_on_block_n_32, 1.0, "cpu", 120)
+        first = compiles.start_all([(a, TINY), (b, TINY)])
+        again = compiles.start([a, a], dataclasses.replace(TINY, seqlen_q=53, seqlen_k=53))  # (compiling: shared)
+        assert compiles.requested == 2
+        assert [o.status for o in first.result()] == ["ok", "crashed"]
+        assert [o.status for o in again.result()] == ["ok", "ok"]
+        retried = compiles.start([b], TINY)  # a crash is not remembered: compiled again, now fine
+        assert compiles.requested == 3 and [o.status for o in retried.result()] == ["ok"]
+        assert compiles.start([b], TINY).done() and compiles.requested == 3
+    finally:
+        pool.close()
+
+
+@pytest.mark.interpreter
+def test_a_clearly_slower_candidate_is_stopped_after_a_short_timing():
+    variant = default_variant("fwd", TINY.problem, gpu_fingerprint())
+    try:
+        sandbox._apply_context({"bar_ms": 1e-9})  # a best so far no candidate comes near
+        stopped = sandbox.evaluate_variant(variant.json(), variant.family, TINY, 40, "cpu")
+        assert stopped.status == "ok" and "stopped early" in stopped.message and stopped.ms > 0
+        assert stopped.err == stopped.err  # (gated all the same: correctness is never skipped)
+        sandbox._apply_context({"bar_ms": 1e9})
+        full = sandbox.evaluate_variant(variant.json(), variant.family, TINY, 40, "cpu")
+        assert full.status == "ok" and not full.message
+    finally:
+        sandbox._apply_context({})
+    assert sandbox._bar_ms is None
+
+
+def test_vendor_candidates_are_never_queued_behind_compiles():
+    """Torch SDPA has nothing to build: its candidates are ready at once, whatever the pool holds
+    (the vendor pass runs while the seeds compile)."""
+    class Busy:
+        def map_async(self, *args):
+            raise AssertionError("sent to the pool")
+
+    device = gpu_fingerprint()
+    device = dataclasses.replace(device, name="NVIDIA H100 80GB HBM3", cc_major=9, cc_minor=0)
+    shape = dataclasses.replace(TINY, dtype="bfloat16")
+    vendor = load_space("sdpa_fwd").valid_variants(shape.problem, device)
+    assert vendor
+    compiling = Compiles(Busy(), None, 1.0, "cuda", 60).start(vendor, shape)
+    assert compiling.done() and [o.status for o in compiling.result()] == ["ok"] * len(vendor)

@@ -1,0 +1,347 @@
+"""The run's plan (autoflash/tuning/planner.py) against a simulated GPU and compile pool on an
+injected clock: compiles take their time on a fixed number of workers in the order asked, a
+candidate is measured once its compile is done. The numbers are the H100's (issue: a Triton compile
+batch ~8 s, a Gluon one ~27 s, the SDPA backends ~3 s a problem)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from autoflash.tuning.planner import Arm, Costs, Planner, ProblemPlan
+
+
+@dataclasses.dataclass
+class Family:
+    compile_s: float
+    measure_s: float
+    seeds: int
+    own_ms: float  # its first candidate's time (the vendor's is 1.0); each further one 3% faster
+    cap: int = 40
+
+
+TRITON = Family(compile_s=8.0, measure_s=1.0, seeds=3, own_ms=1.2)
+GLUON = Family(compile_s=27.0, measure_s=1.0, seeds=2, own_ms=1.1)
+
+
+class Sim:
+    def __init__(self, problems: int, families: dict, workers: int = 12, vendor_s: float = 3.0,
+                 pick_s: float = 2.0, own_scale=None):
+        self.t = 0.0
+        self.families, self.vendor_s, self.pick_s = families, vendor_s, pick_s
+        self.free = [0.0] * workers
+        self.ready: dict = {}
+        self.measured = {(i, f): 0 for i in range(problems) for f in families}
+        self.vendor, self.picked = set(), set()
+        self.own_scale = own_scale or [1.0] * problems
+        self.deadlines = []
+
+    def clock(self) -> float:
+        return self.t
+
+    def plans(self) -> list[ProblemPlan]:
+        return [ProblemPlan(f"p{i}", [Arm(f, fam.cap, fam.seeds) for f, fam in self.families.items()])
+                for i in range(len(self.own_scale))]
+
+    def compile(self, i: int, family: str, n: int, after: int = 0) -> None:
+        """The arm's next n candidates (after `after` more), compiled on the first free workers."""
+        for k in range(after, after + n):
+            key = (i, family, self.measured[(i, family)] + k)
+            if key not in self.ready:
+                w = min(range(len(self.free)), key=self.free.__getitem__)
+                self.free[w] = max(self.t, self.free[w]) + self.families[family].compile_s
+                self.ready[key] = self.free[w]
+
+    def best(self, i: int, family: str) -> float:
+        n = self.measured[(i, family)]
+        return math.inf if n == 0 else self.families[family].own_ms * self.own_scale[i] * 0.97 ** (n - 1)
+
+    def run(self, planner: Planner) -> None:
+        """What `planned.run_planned` does, with this simulation as the tuner."""
+        for i, counts in planner.planned_seeds().items():
+            for family, n in counts:
+                self.compile(i, family, n)
+                planner.compiling(i, family, n)
+        while (step := planner.next_step()) is not None:
+            i = step.problem
+            if step.kind == "vendor":
+                self.t += self.vendor_s
+                self.vendor.add(i)
+                planner.done(step, vendor_ms=1.0)
+            elif step.kind == "pick":
+                self.t += self.pick_s
+                self.picked.add(i)
+                planner.done(step, served="own")
+            else:
+                self.deadlines.append(step.deadline)
+                for family, n in step.counts:
+                    self.compile(i, family, n)
+                if (nxt := planner.peek(step)) is not None:  # compile ahead (the same search's next batch too)
+                    self.compile(*nxt, after=dict(step.counts).get(nxt[1], 0) if nxt[0] == i else 0)
+                    planner.compiling(*nxt)
+                force = step.kind == "seeds"  # (as the tuner: the seed step's first family's first)
+                planner.done(step, arms={f: self.measure(i, f, n, step.deadline, force and f == step.counts[0][0])
+                                         for f, n in step.counts})
+
+    def measure(self, i: int, family: str, n: int, deadline: float | None, force: bool) -> dict:
+        waits, new = [], 0
+        for k in range(n):
+            key = (i, family, self.measured[(i, family)])
+            forced = force and k == 0
+            wait = max(0.0, self.ready[key] - self.t)
+            if deadline is not None and not forced and self.t + wait >= deadline:
+                break
+            self.t += wait
+            waits.append(wait)
+            self.t += self.families[family].measure_s
+            self.measured[(i, family)] += 1
+            new += 1
+        return {"measured": self.measured[(i, family)], "best_ms": self.best(i, family),
+                "wait_s": waits[0] if waits else None,
+                "per_s": (new * self.families[family].measure_s + sum(waits[1:])) / new if new else None,
+                "exhausted": False}
+
+
+def plan(sim: Sim, budget_s: float | None, **costs) -> Planner:
+    return Planner(sim.plans(), budget_s, sim.clock, Costs(prior_waits={"gluon": 27.0}, **costs), batch=12)
+
+
+def test_a_budget_smaller_than_one_problems_compile_still_measures_every_problems_vendor_and_seed():
+    families = {"triton": TRITON, "gluon": GLUON}
+    sim = Sim(problems=4, families=families)
+    budget = 26.0
+    assert budget < GLUON.compile_s  # one problem's Gluon batch alone would outlast the run
+    planner = plan(sim, budget)
+    sim.run(planner)
+    assert sim.vendor == sim.picked == {0, 1, 2, 3}
+    for i in range(4):
+        assert sum(sim.measured[(i, f)] for f in families) >= 1, sim.measured  # a seed of every problem
+    assert sim.t <= budget, sim.t
+    assert all(p.stage == "picked" for p in planner.problems)
+
+
+def test_a_budget_below_what_every_problem_must_get_is_overrun_by_that_only():
+    """Vendor, one seed and the pick of every problem are the reserve: a budget that does not hold
+    them is overrun by them, by nothing else (no search round, no second seed)."""
+    sim = Sim(problems=6, families={"triton": TRITON})
+    planner = plan(sim, 10.0)
+    sim.run(planner)
+    assert all(sim.measured[(i, "triton")] == 1 for i in range(6))
+    assert sim.t <= 6 * (sim.vendor_s + TRITON.measure_s + sim.pick_s) + TRITON.compile_s
+
+
+def test_a_larger_budget_is_used_and_ends_on_time():
+    families = {"triton": TRITON, "gluon": GLUON}
+    sim = Sim(problems=11, families=families)
+    budget = 240.0
+    planner = plan(sim, budget, pick_s=3.0)
+    sim.run(planner)
+    assert sim.picked == set(range(11))
+    assert 0.85 * budget <= sim.t <= budget, sim.t
+    measured = [sum(sim.measured[(i, f)] for f in families) for i in range(11)]
+    assert min(measured) >= 2 and sum(measured) >= 60, measured
+
+
+def test_rounds_go_where_an_own_gain_would_serve():
+    """Two problems, one whose own kernel is near the vendor's and one far behind: the rounds spend
+    the time on the first."""
+    sim = Sim(problems=2, families={"triton": TRITON}, own_scale=[0.9, 2.0])
+    planner = plan(sim, 60.0)
+    sim.run(planner)
+    near, far = sim.measured[(0, "triton")], sim.measured[(1, "triton")]
+    assert near >= 5 * far, (near, far)
+    assert sim.t <= 60.0
+
+
+def test_without_a_budget_every_search_reaches_its_trial_budget():
+    fam = dataclasses.replace(TRITON, cap=7)
+    sim = Sim(problems=3, families={"triton": fam})
+    planner = plan(sim, None)
+    sim.run(planner)
+    assert all(sim.measured[(i, "triton")] == 7 for i in range(3))
+    assert planner.phase() == "done" and planner.eta_s() == 0
+    assert all(d is None for d in sim.deadlines)
+
+
+def test_no_step_reaches_into_the_time_kept_for_the_picks():
+    sim = Sim(problems=5, families={"triton": TRITON, "gluon": GLUON})
+    budget = 90.0
+    planner = plan(sim, budget)
+    sim.run(planner)
+    searches = [d for d in sim.deadlines if d is not None]
+    assert searches and max(searches) <= budget
+    assert sim.t <= budget
+
+
+def test_eta_progress_and_states():
+    sim = Sim(problems=3, families={"triton": TRITON})
+    planner = plan(sim, 60.0)
+    first = planner.snapshot()
+    assert first.phase == "vendor" and 0 < first.eta_s <= 60.0
+    assert [r.stage for r in first.rows] == ["waiting"] * 3
+    sim.run(planner)
+    last = planner.snapshot()
+    assert last.phase == "done" and last.eta_s == 0
+    assert [r.stage for r in last.rows] == ["picked"] * 3
+    assert all(r.measured >= 1 and math.isfinite(r.own_ms) and r.vendor_ms == 1.0 for r in last.rows)
+    # the histories: each problem's best so far, in time order
+    for p in planner.problems:
+        times = [t for t, _, _ in p.history]
+        assert times == sorted(times) and p.history[-1][1] == p.own_ms
+
+
+def test_a_larger_budget_forecast_comes_from_open_searches():
+    sim = Sim(problems=3, families={"triton": TRITON}, own_scale=[0.95, 1.0, 1.05])
+    planner = plan(sim, 40.0)
+    sim.run(planner)
+    forecast = planner.forecast(120.0)
+    assert len(forecast) == 3
+    assert all(expected <= now for _, now, expected, _ in forecast)
+    assert any(expected < now for _, now, expected, _ in forecast)
+    # a search at its trial budget has nothing to gain
+    capped = Sim(problems=1, families={"triton": dataclasses.replace(TRITON, cap=2)})
+    p = plan(capped, None)
+    capped.run(p)
+    (_, now, expected, _), = p.forecast(120.0)
+    assert expected == now
+
+
+def test_costs_learn_from_measurements():
+    costs = Costs()
+    costs.observe("per_s", 2.0, "triton")
+    assert costs.per("triton") == 2.0 and costs.per("gluon") == costs.prior_per_s
+    costs.observe("per_s", 4.0, "triton")
+    assert costs.per("triton") == 3.0
+    costs.observe("pick_s", 10.0)
+    assert costs.pick_s == 10.0
+    costs.observe("wait_s", None, "triton")  # (a step that measured nothing says nothing)
+    assert costs.wait("triton") == costs.prior_wait_s
+
+
+# --------------------------------------------------------------------------- the real tuner
+def test_a_planned_run_in_the_interpreter_measures_every_problem_and_ends_in_its_budget(tmp_path, monkeypatch):
+    """The tuner end to end (real workers, Optuna studies, SQLite) on a clock that counts work done:
+    a measured candidate or a problem's pick is one 'second'. Torch SDPA competes here (it sits out
+    interpreted runs otherwise), as on a GPU: every problem gets its vendor candidates and a seed,
+    the run stops within its budget, and the time left over the must-haves went to searches."""
+    import sqlite3
+
+    from autoflash import codegen
+    from autoflash.shapes import load_shape_set
+    from autoflash.store import Store
+    from autoflash.tuning import tuner
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.workers import tune
+
+    monkeypatch.setattr(tuner, "competes", lambda family, interpret: True)
+    db = tmp_path / "t.db"
+    store = Store(db)
+    reader = sqlite3.connect(db)
+
+    def work_done() -> float:
+        trials = reader.execute("select count(*) from trials where status != 'running'").fetchone()[0]
+        picks = reader.execute("select count(distinct problem) from winners").fetchone()[0]
+        return float(trials + picks)
+
+    shapes = load_shape_set("tiny")
+    budget = 24.0  # the must-haves are 4 a problem: two SDPA backends, a seed, the pick
+    results = tune(shapes, store, TuneOptions(trials=1000, budget_s=budget, interpret=True, clock=work_done))
+    assert work_done() <= budget
+    assert [r.status for r in results] == ["tuned"] * len(shapes)
+    vendor = codegen.template_hash("sdpa_fwd")
+    rows = list(store.db["trials"].rows)
+    for s in shapes:
+        mine = [r for r in rows if r["problem"] == s.problem.key and r["status"] == "ok"]
+        assert len([r for r in mine if r["template_hash"] == vendor]) == 2  # (the CPU's flash and math)
+        assert [r for r in mine if r["template_hash"] != vendor]  # a seed at least
+    assert len(rows) > 3 * len(shapes)  # more than the must-haves: the budget was spent
+    assert all(r.cut_short for r in results)
+
+
+def test_tune_cli_shows_the_plan_and_plots_best_so_far(tmp_path):
+    """The interpreter's dry run prints each problem's state after the seed pass and the rounds, how
+    long the run took, what a larger budget would change, and --plot writes the curves."""
+    from click.testing import CliRunner
+
+    from autoflash.cli import cli
+
+    shapes = tmp_path / "two.toml"
+    one = ("[[shape]]\nbatch = 1\nheads_q = 2\nheads_kv = 2\nseqlen_q = {n}\nseqlen_k = {n}\nhead_dim = 32\n"
+           "causal = true\ndtype = \"float16\"\n")
+    shapes.write_text(one.format(n=37) + one.format(n=113))
+    plot = tmp_path / "tune.png"
+    r = CliRunner().invoke(cli, ["tune", "--interpret", "--db", str(tmp_path / "t.db"), "--shapes", str(shapes),
+                                 "--trials", "3", "--plot", str(plot)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "after the seed pass" in said and "seeded" in said and "own candidates" in said
+    assert "after the search rounds" in said and "searched" in said
+    assert "The run took" in said and "Every search reached its trial budget" in said
+    assert plot.is_file() and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_planned_run_with_a_compile_pool_asks_ahead_and_loses_nothing(tmp_path, monkeypatch):
+    """The GPU's path in the interpreter: a real compile pool (the interpreter's compile only renders
+    and imports), the seed pass compiled in one batch, the next search's batch asked for ahead and
+    queued in its study, a deadline's leftovers queued again. Every candidate is measured once, no
+    study keeps a trial running, and the run keeps its budget."""
+    import collections
+    import json
+    import sqlite3
+
+    import optuna
+
+    from autoflash.shapes import load_shape_set
+    from autoflash.store import Store
+    from autoflash.tuning import sandbox
+    from autoflash.tuning.compiles import Compiles
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.shared import SharedTuner
+    from autoflash.tuning.workers import tune
+
+    sent = []  # (variant JSON, family, shape) of every compile sent to the pool
+    original = SharedTuner.__init__
+
+    def with_a_pool(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.compilers = sandbox.WorkerPool(2, "cpu", {"TRITON_INTERPRET": "1"})
+        map_async = self.compilers.map_async
+
+        def recorded(fn, args_list, timeout_s):
+            sent.extend(a[:3] for a in args_list)
+            return map_async(fn, args_list, timeout_s)
+
+        self.compilers.map_async = recorded
+        self.compiles = Compiles(self.compilers, None, self.opt.rep_ms, "cpu", self.opt.trial_timeout_s)
+
+    monkeypatch.setattr(SharedTuner, "__init__", with_a_pool)
+    db = tmp_path / "t.db"
+    store = Store(db)
+    reader = sqlite3.connect(db)
+
+    def work_done() -> float:
+        return float(reader.execute("select count(*) from trials where status != 'running'").fetchone()[0]
+                     + reader.execute("select count(distinct problem) from winners").fetchone()[0])
+
+    shapes = load_shape_set("tiny")
+    options = TuneOptions(trials=8, budget_s=30.0, interpret=True, clock=work_done, compile_workers=2)
+    results = tune(shapes, store, options)
+    assert [r.status for r in results] == ["tuned"] * len(shapes) and work_done() <= 30.0
+    rows = [(r["problem"], r["template_hash"], r["variant"]) for r in store.db["trials"].rows]
+    assert len(rows) == len(set(rows)) and collections.Counter(p for p, _, _ in rows).keys() == {
+        s.problem.key for s in shapes}
+    # Each binary compiled once (the tiny shapes' two lengths specialize alike: problems share them),
+    # and every measured candidate's before it was measured.
+    from autoflash.space import load_space
+    from autoflash.tuning.compiles import compile_key
+
+    def key(variant_json, shape):
+        return compile_key(load_space("fwd").check_declared(json.loads(variant_json)), shape)
+
+    compiled = [key(v, shape) for v, _, shape in sent]
+    assert len(compiled) == len(set(compiled))
+    by_problem = {s.problem.key: s for s in shapes}
+    assert {key(v, by_problem[p]) for p, _, v in rows} <= set(compiled)
+    journal = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{db}.optuna.journal"))
+    for study in journal.get_all_studies():
+        assert not [t for t in journal.get_all_trials(study._study_id) if t.state == optuna.trial.TrialState.RUNNING]

@@ -122,20 +122,27 @@ def q_is_positional(causal: bool, window: tuple, capacity: int) -> bool:
 
 
 def append(k_cache, v_cache, k, v, seqlens, block_table, cache_batch_idx) -> None:
-    """Write k, v (B, S_new, H_kv, D) into the caches at positions seqlens[b] + t of entry b: row
-    cache_batch_idx[b] of a contiguous cache (row b without it), or its block table's pages."""
+    """Write k, v (B, S_new, H_kv, D) into the caches at positions seqlens[b] + t of entry b."""
     batch, new = k.shape[:2]
-    pos = seqlens.long()[:, None] + torch.arange(new, device=k.device)  # (B, S_new)
+    entry = torch.arange(batch, device=k.device).repeat_interleave(new)
+    pos = (seqlens.long()[:, None] + torch.arange(new, device=k.device)).flatten()
+    append_tokens(k_cache, v_cache, k.flatten(0, 1), v.flatten(0, 1), entry, pos, block_table, cache_batch_idx)
+
+
+def append_tokens(k_cache, v_cache, k_rows, v_rows, entry, pos, block_table, cache_batch_idx) -> None:
+    """Write token rows k_rows, v_rows (T, H_kv, D) of entries entry (T,) at their cache positions
+    pos (T,): row cache_batch_idx[entry] of a contiguous cache (row entry without it), or the pages
+    of the entry's block table. (Entries sharing a cache row: which one lands is torch's choice, as
+    flash-attn leaves it to its kernel.)"""
     if block_table is None:
-        rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=k.device)
-        rows = rows[:, None].expand(batch, new)
-        k_cache[rows, pos] = k
-        v_cache[rows, pos] = v
+        rows = cache_batch_idx.long()[entry] if cache_batch_idx is not None else entry
+        k_cache[rows, pos] = k_rows
+        v_cache[rows, pos] = v_rows
     else:
         page = k_cache.shape[1]
-        blocks = torch.gather(block_table.long(), 1, pos // page)
-        k_cache[blocks, pos % page] = k
-        v_cache[blocks, pos % page] = v
+        blocks = block_table.long()[entry, pos // page]
+        k_cache[blocks, pos % page] = k_rows
+        v_cache[blocks, pos % page] = v_rows
 
 
 def visible_keys(k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad, total):

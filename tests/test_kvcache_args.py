@@ -53,19 +53,20 @@ def logical(cache, block_table, row, entry):
 
 
 def kvcache_reference(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale,
-                      causal, window, interleaved):
-    """(out float64 (B, Q, H, D), lse (B, H, Q), the caches flash-attn leaves) step by step."""
+                      causal, window, interleaved, rotary_start=None):
+    """(out float64 (B, Q, H, D), lse (B, H, Q), the caches flash-attn leaves) step by step.
+    rotary_start: FA3's rotary_seqlens (the first new token's rotary position; default cache_seqlens)."""
     batch, q_len, heads, _ = q.shape
     k_after, v_after = k_cache.clone(), v_cache.clone()
     new = 0 if k is None else k.shape[1]
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     qd = q.double()
     if cos is not None:  # positions: cache_seqlens[b] + t for the keys; q's as flash-attn's kernel picks them
-        steps = torch.arange(new)
-        k = rotary_reference(k, cos, sin, seqlens.long()[:, None] + steps, interleaved).to(k.dtype)
+        start = (seqlens if rotary_start is None else rotary_start).long()[:, None]
+        k = rotary_reference(k, cos, sin, start + torch.arange(new), interleaved).to(k.dtype)
         local = causal or any(0 <= w < capacity for w in window)
         q_steps = torch.arange(q_len) if local else torch.zeros(q_len, dtype=torch.long)
-        qd = rotary_reference(q, cos, sin, seqlens.long()[:, None] + q_steps, interleaved)
+        qd = rotary_reference(q, cos, sin, start + q_steps, interleaved)
     out = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full((batch, heads, q_len), float("inf"), dtype=torch.float64)
     for b in range(batch):
@@ -187,3 +188,82 @@ def test_random_kvcache_calls_match_float64(seed):
     out, lse = call_fa2(q, k_cache, v_cache, args, positional=seed % 4 < 2)
     assert out.shape == q.shape and out.dtype == dtype
     check_against_reference(out, lse, k_cache, v_cache, reference, dtype, "rotary_cos" in args)
+
+
+# --------------------------------------------------------------------------- FA3's forms
+def test_fa3_batched_form_with_rotary_serves_as_flash_attn_2():
+    q, k_cache, v_cache, args = random_call(3, torch.float32)
+    assert "rotary_cos" in args
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    want, want_lse = call_fa2(q, k2, v2, args, positional=False)
+    fa3_args = {("page_table" if name == "block_table" else name): value for name, value in args.items()}
+    out, lse, *_ = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, **fa3_args)
+    assert torch.equal(out, want) and torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
+    assert torch.equal(lse, want_lse.masked_fill(want_lse == float("inf"), float("-inf")))
+
+
+def random_packed_call(seed, dtype):
+    """A random FA3 call with cu_seqlens_q / cu_seqlens_k_new / rotary_seqlens (packed q and k, v
+    with ragged lengths), and the per-entry flash-attn 2 arguments its reference runs one at a time."""
+    q, k_cache, v_cache, args = random_call(seed, dtype)
+    g = torch.Generator().manual_seed(1000 + seed)
+    batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
+    kv_heads, capacity = k_cache.shape[2], 24
+    q_lens = torch.randint(0, 4, (batch,), generator=g).tolist()
+    new_lens = torch.randint(0, 3, (batch,), generator=g).tolist() if "k" in args else [0] * batch
+    if "rotary_cos" in args:
+        new_lens = [max(n, 1) for n in new_lens]
+    seqlens = torch.tensor([int(torch.randint(0, capacity - n + 1, (1,), generator=g)) for n in new_lens],
+                           dtype=torch.int32)
+    args["cache_seqlens"] = seqlens
+    if "cache_leftpad" in args:
+        args["cache_leftpad"] = torch.minimum(args["cache_leftpad"], seqlens)
+    rand = lambda *shape: torch.randn(shape, generator=g).to(dtype)  # noqa: E731
+    q = rand(sum(q_lens), heads, head_dim)
+    cu = lambda lens: torch.tensor([0, *lens]).cumsum(0).to(torch.int32)  # noqa: E731
+    args.update(cu_seqlens_q=cu(q_lens), max_seqlen_q=max(q_lens) + 1)
+    if "k" in args:
+        args.update(k=rand(sum(new_lens), kv_heads, head_dim), v=rand(sum(new_lens), kv_heads, head_dim),
+                    cu_seqlens_k_new=cu(new_lens))
+    if "rotary_cos" in args:
+        args["rotary_cos"], args["rotary_sin"] = (t.repeat(2, 1) for t in (args["rotary_cos"], args["rotary_sin"]))
+        args["rotary_seqlens"] = torch.randint(0, capacity, (batch,), generator=g).to(torch.int32)
+    return q, k_cache, v_cache, args, q_lens, new_lens
+
+
+def packed_reference(q, k_cache, v_cache, args, q_lens, new_lens):
+    """Entry by entry through the float64 reference (each entry writes its own cache slots)."""
+    k_after, v_after = k_cache.clone(), v_cache.clone()
+    outs, lses = [], []
+    q_cu, k_cu = [0], [0]
+    for b, (n_q, n_new) in enumerate(zip(q_lens, new_lens)):
+        q_cu.append(q_cu[-1] + n_q)
+        k_cu.append(k_cu[-1] + n_new)
+        one = lambda name: None if args.get(name) is None else args[name][b:b + 1]  # noqa: E731
+        # (entry b alone: its cache row named, where a contiguous cache has one row per entry)
+        rows = one("cache_batch_idx") if "block_table" in args or "cache_batch_idx" in args else torch.tensor([b])
+        new_k = None if "k" not in args else args["k"][k_cu[b]:k_cu[b + 1]][None]
+        new_v = None if "v" not in args else args["v"][k_cu[b]:k_cu[b + 1]][None]
+        ref, ref_lse, k_after, v_after = kvcache_reference(
+            q[q_cu[b]:q_cu[b + 1]][None], k_after, v_after, new_k, new_v, args.get("rotary_cos"),
+            args.get("rotary_sin"), args["cache_seqlens"][b:b + 1], rows, one("cache_leftpad"),
+            one("block_table"), args.get("softmax_scale") or 1 / math.sqrt(q.shape[-1]), args["causal"],
+            args["window_size"], args.get("rotary_interleaved", True), one("rotary_seqlens"))
+        outs.append(ref[0])
+        lses.append(ref_lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1), k_after, v_after
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seed", range(24))
+def test_fa3_packed_kvcache_calls_match_float64(seed):
+    dtype = torch.float32 if seed % 2 else torch.float16
+    q, k_cache, v_cache, args, q_lens, new_lens = random_packed_call(seed, dtype)
+    ref, ref_lse, k_after, v_after = packed_reference(q, k_cache, v_cache, args, q_lens, new_lens)
+    fa3_args = {("page_table" if name == "block_table" else name): value for name, value in args.items()}
+    out, lse, _, _ = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, **fa3_args)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    ref_lse = ref_lse.masked_fill(ref_lse == float("inf"), float("-inf"))  # (FA3: -inf where no key)
+    check_against_reference(out, lse.masked_fill(lse == float("-inf"), float("inf")), k_cache, v_cache,
+                            (ref, ref_lse.masked_fill(ref_lse == float("-inf"), float("inf")), k_after, v_after),
+                            dtype, "rotary_cos" in args)

@@ -267,3 +267,28 @@ def test_fa3_packed_kvcache_calls_match_float64(seed):
     check_against_reference(out, lse.masked_fill(lse == float("-inf"), float("inf")), k_cache, v_cache,
                             (ref, ref_lse.masked_fill(ref_lse == float("-inf"), float("inf")), k_after, v_after),
                             dtype, "rotary_cos" in args)
+
+
+# --------------------------------------------------------------------------- on the GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(12))
+def test_kvcache_arguments_on_the_gpu_bf16(seed, own_kernels):
+    """bf16 on the GPU: flash-attn 2's form (rotary, cache_batch_idx, cache_leftpad) and FA3's packed
+    form, against the float64 reference, caches included."""
+    q, k_cache, v_cache, args = random_call(seed, torch.bfloat16)
+    reference = reference_for(q, k_cache, v_cache, args)
+    on_gpu = lambda t: t.cuda() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    q, k_cache, v_cache = q.cuda(), k_cache.cuda(), v_cache.cuda()
+    out, lse = call_fa2(q, k_cache, v_cache, {n: on_gpu(a) for n, a in args.items()}, positional=seed % 2 == 0)
+    ref, ref_lse, k_after, v_after = reference
+    assert (out.cpu().double() - ref).norm() / max(ref.norm(), 1e-12) < 2e-2
+    assert torch.equal(v_cache.cpu(), v_after)
+    assert torch.allclose(k_cache.cpu().double(), k_after.double(), rtol=1e-2, atol=1e-2)
+    q, k_cache, v_cache, args, q_lens, new_lens = random_packed_call(seed, torch.bfloat16)
+    ref, _, k_after, v_after = packed_reference(q, k_cache, v_cache, args, q_lens, new_lens)
+    fa3_args = {("page_table" if name == "block_table" else name): on_gpu(a) for name, a in args.items()}
+    q, k_cache, v_cache = q.cuda(), k_cache.cuda(), v_cache.cuda()
+    out = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, **{**fa3_args, "return_softmax_lse": False})
+    assert (out.cpu().double() - ref).norm() / max(ref.norm(), 1e-12) < 2e-2
+    assert torch.equal(v_cache.cpu(), v_after)
+    assert torch.allclose(k_cache.cpu().double(), k_after.double(), rtol=1e-2, atol=1e-2)

@@ -57,8 +57,10 @@ def _check_values(checks: list) -> bool:
     return True
 
 
-def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits):
-    """Raise ValueError for malformed input; returns (seqlens int32 (B,) before the append, new tokens)."""
+def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
+                     cache_batch_idx=None):
+    """Raise ValueError for malformed input; returns (seqlens int32 (B,) before the append, new tokens).
+    With cache_batch_idx (checked by the caller) a contiguous cache may hold any number of rows."""
     qlay = "(batch, seqlen_q, nheads, headdim)"
     _tensor(q, "q", 4, qlay)
     if not q.dtype.is_floating_point:
@@ -85,8 +87,9 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, soft
             raise ValueError("k_cache must have a page_block_size >= 1")
         capacity = k_cache.shape[1] * block_table.shape[1]
     else:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache must have q's batch size {batch}, got shape {tuple(k_cache.shape)}")
+        if k_cache.shape[0] != batch and cache_batch_idx is None:
+            raise ValueError(f"k_cache must have q's batch size {batch} (or pass cache_batch_idx), got shape "
+                             f"{tuple(k_cache.shape)}")
         capacity = k_cache.shape[1]
     new = _validate_new_tokens(q, k_cache, k, v)
     host_length = None  # the lengths when they come from the host (an int, or the whole cache)

@@ -14,8 +14,9 @@ How they differ from the flash-attn 2 forms (`autoflash.flash_attn_func`, ...), 
   batch dim; flash_attn_combine merges attention over key splits (`autoflash.combine`).
 What runs where: these forms call the flash-attn 2 forms, so the kernels serve what they serve there
 (window_size and softcap run in torch with one warning). Refused by name with a `FallbackError`: qv,
-q/k/v_descale (FP8), attention_chunk > 0 and, in flash_attn_with_kvcache, what the flash-attn 2 form
-refuses plus cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, scheduler_metadata.
+q/k/v_descale (FP8), attention_chunk > 0 and, in flash_attn_with_kvcache, scheduler_metadata
+(flash_attn_with_kvcache serves cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q and rotary_seqlens on the
+host ahead of the decode kernels: `autoflash.kvcache_varlen`).
 Accepted, without effect on the answer (FA3's scheduling hints): num_splits (but in
 flash_attn_with_kvcache, where it is the decode kernels' split count), pack_gqa, sm_margin.
 """
@@ -26,7 +27,7 @@ import numbers
 
 import torch
 
-from autoflash import decode, flash_attn, varlen
+from autoflash import decode, flash_attn, kvcache_varlen, varlen
 from autoflash.combine import flash_attn_combine
 from autoflash.fallback import FallbackError
 from autoflash.validate import check_flag
@@ -146,18 +147,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             return_softmax_lse=False):
     """FlashAttention-3's `flash_attn_with_kvcache`: `autoflash.flash_attn_with_kvcache` (flash-attn 2's
     form, its kernels and refusals) with FA3's names and positional order (page_table is flash-attn
-    2's block_table). Returns out (batch_size, seqlen_q, nheads, headdim), or with return_softmax_lse
-    FA3's (out, softmax_lse, out_accum, softmax_lse_accum): softmax_lse (batch_size, nheads, seqlen_q),
-    -inf for a row with no key; the split accumulators are empty tensors (autoflash keeps its splits
-    inside the decode kernels)."""
-    _refuse("flash_attn_with_kvcache", qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
-            max_seqlen_q=max_seqlen_q, rotary_seqlens=rotary_seqlens, q_descale=q_descale, k_descale=k_descale,
-            v_descale=v_descale, scheduler_metadata=scheduler_metadata)
+    2's block_table), plus FA3's packed forms (`autoflash.kvcache_varlen`): cu_seqlens_q with
+    max_seqlen_q (q (total_q, nheads, headdim)), cu_seqlens_k_new (k, v (total_new, nheads_k,
+    headdim)), rotary_seqlens (int32 (batch_size,): the rotary position of each entry's first new
+    token, in place of cache_seqlens). Returns out shaped as q, or with return_softmax_lse FA3's
+    (out, softmax_lse, out_accum, softmax_lse_accum): softmax_lse (batch_size, nheads, seqlen_q), or
+    (nheads, total_q) for packed q, -inf for a row with no key; the split accumulators are empty
+    tensors (autoflash keeps its splits inside the decode kernels)."""
+    _refuse("flash_attn_with_kvcache", qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            scheduler_metadata=scheduler_metadata)
     _check_hints(attention_chunk, 1, pack_gqa, sm_margin)
     return_lse = check_flag("return_softmax_lse", return_softmax_lse)
-    result = decode.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                            cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
-                                            window_size, softcap, rotary_interleaved, None, num_splits, return_lse)
+    if cu_seqlens_q is None and cu_seqlens_k_new is None and rotary_seqlens is None and max_seqlen_q is None:
+        result = decode.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                                cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
+                                                window_size, softcap, rotary_interleaved, None, num_splits, return_lse)
+    else:  # packed q or new tokens, or rotary positions of their own (`autoflash.kvcache_varlen`)
+        check_flag("rotary_interleaved", rotary_interleaved)
+        result = kvcache_varlen.packed_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, softmax_scale, causal,
+            window_size, softcap, rotary_interleaved, num_splits, return_lse)
     if not return_lse:
         return result
     empty = torch.empty(0, device=result[0].device)

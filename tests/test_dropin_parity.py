@@ -229,8 +229,16 @@ def test_kvcache_positional_every_served_argument():
         assert close(out[b], ref[0]) and close(lse[b], ref_lse[0])
 
 
-@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"])
-def test_kvcache_arguments_not_served_are_refused_by_name(name):
+@pytest.mark.parametrize("arguments, match", [
+    (dict(rotary_cos=torch.ones(8, 4)), "rotary_cos and rotary_sin"),
+    (dict(rotary_cos=torch.ones(8, 4), rotary_sin=torch.zeros(8, 4)), "need k and v"),
+    (dict(cache_batch_idx=torch.zeros(1, dtype=torch.int64)), "cache_batch_idx must be an int32"),
+    (dict(cache_batch_idx=torch.tensor([1], dtype=torch.int32)), r"cache_batch_idx entries must be in \[0, 1\)"),
+    (dict(cache_leftpad=torch.tensor([9], dtype=torch.int32)), "cache_leftpad must be in"),
+    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), "cache_leftpad must have q's batch size"),
+])
+def test_kvcache_rotary_batch_index_and_leftpad_are_checked(arguments, match):
+    """Served now (tests/test_kvcache_args.py): malformed values are a ValueError naming them."""
     q, cache = rand(1, 1, 2, 16, seed=29), rand(1, 8, 2, 16, seed=30)
-    with pytest.raises(FallbackError, match=name):
-        autoflash.flash_attn_with_kvcache(q, cache, cache, **{name: torch.zeros(1, dtype=torch.int32)})
+    with pytest.raises(ValueError, match=match):
+        autoflash.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=4, **arguments)

@@ -300,8 +300,10 @@ def test_kvcache_fa3_form_is_the_fa2_one_with_fa3s_names():
                                                         causal=True, return_softmax_lse=True)
     assert torch.equal(out, want) and out_accum.numel() == 0 == lse_accum.numel()
     assert torch.equal(lse[0], want_lse[0]) and (lse[1] == float("-inf")).all()  # (no key: -inf, FA3's way)
-    with pytest.raises(FallbackError, match="cu_seqlens_q"):
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # (served: tests/test_kvcache_args.py; malformed here)
         fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cu_seqlens_q=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(FallbackError, match="scheduler_metadata"):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, scheduler_metadata=torch.zeros(3, dtype=torch.int32))
 
 
 # ----------------------------------------------------------------------------- on the GPU

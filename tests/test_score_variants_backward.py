@@ -60,6 +60,12 @@ def reference_grads(q, k, v, do, scale, causal, offset, score: ScoreArgs):
     return [t.grad for t in leaves] + [None if sinks is None else sinks.grad]
 
 
+def _error(mine, ref, scale_of) -> float:
+    """rel_error, against the gradients' scale (dV's) where the reference is ~0: one key per query (a
+    window of (0, 0)) has p = 1 and dS = p (dP - delta) = 0 up to rounding."""
+    return (mine.double() - ref).norm().item() / max(ref.norm().item(), 0.1 * scale_of.norm().item(), 1e-30)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name, n_q, n_k, d, variant", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}" for c in CASES])
@@ -80,7 +86,7 @@ def test_variant_gradients_match_float64_autograd(name, n_q, n_k, d, variant, dt
     want = reference_grads(q, k, v, do, scale, causal, offset, score)
     for what, mine, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         assert not torch.isnan(mine).any(), what
-        assert rel_error(mine, ref) <= TOLERANCE[dtype], (what, variant.short())
+        assert _error(mine, ref, want[2]) <= TOLERANCE[dtype], (what, variant.short())
     if score.sinks is not None:
         dsinks = variant_training.sinks_gradient(score.sinks, lse, out, do)
         assert rel_error(dsinks, want[3]) <= TOLERANCE[dtype]

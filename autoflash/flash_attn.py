@@ -44,7 +44,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softcap: > 0 caps the scaled scores as softcap * tanh(s / softcap)
         alibi_slopes: (nheads,) or (batch_size, nheads) float32: adds -slope * |i + seqlen_k - seqlen_q - j|
             to the scores
-            (window, softcap and ALiBi run on the kernels in calls that need no gradient, in torch otherwise)
+            (window, softcap and ALiBi run on the kernels, their backward too; with dropout in torch)
         deterministic: a bitwise repeatable backward (a backward variant without float32 atomics;
             torch.use_deterministic_algorithms(True) asks for it too)
         return_attn_probs: also return the log-sum-exp (flash-attn's testing output)

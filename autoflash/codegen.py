@@ -199,14 +199,19 @@ class Kernel:
             self.host.launch(q=q_, k=k_, v=v_, o=o_, lse=lse_, sm_scale=sm_scale, causal=causal,
                              causal_offset=causal_offset, **({} if chunk_args is None else {"score_args": chunk_args}))
 
-    def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int) -> None:
-        """dq, dk, dv written in place from the forward's o and lse."""
+    def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int,
+                 score_args=None) -> None:
+        """dq, dk, dv written in place from the forward's o and lse. score_args: as `forward`'s (the
+        sinks' gradient is not the kernel's: `autoflash.variant_training`)."""
         if self.uses_tma:
             ensure_allocator()
-        for q_, k_, v_, o_, lse_, do_, dq_, dk_, dv_ in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse, do,
-                                                                     dq, dk, dv):
+        slopes = score_args.alibi_slopes if score_args is not None and score_args.per_batch() else None
+        for q_, k_, v_, o_, lse_, do_, dq_, dk_, dv_, slopes_ in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse,
+                                                                              do, dq, dk, dv, slopes):
+            chunk_args = score_args if slopes_ is None else dataclasses.replace(score_args, alibi_slopes=slopes_)
             self.host.launch(q=q_, k=k_, v=v_, o=o_, lse=lse_, do=do_, dq=dq_, dk=dk_, dv=dv_, sm_scale=sm_scale,
-                             causal=causal, causal_offset=causal_offset)
+                             causal=causal, causal_offset=causal_offset,
+                             **({} if chunk_args is None else {"score_args": chunk_args}))
 
     @property
     def supports_varlen(self) -> bool:
@@ -224,13 +229,14 @@ class Kernel:
                                 **({} if score_args is None else {"score_args": score_args}))
 
     def backward_varlen(self, q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                        max_seqlen_k: int, sm_scale: float, causal: bool) -> None:
+                        max_seqlen_k: int, sm_scale: float, causal: bool, score_args=None) -> None:
         """Gradients of `forward_varlen` (same layouts), written into dq, dk, dv."""
         if self.uses_tma:
             ensure_allocator()
         self.host.launch_varlen(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                sm_scale=sm_scale, causal=causal)
+                                sm_scale=sm_scale, causal=causal,
+                                **({} if score_args is None else {"score_args": score_args}))
 
     def attention(self, q, k, v, sm_scale: float, causal: bool, causal_offset: int = 0) -> torch.Tensor:
         """The output in q's memory layout (the log-sum-exp is discarded)."""

@@ -157,7 +157,7 @@ class Dispatcher:
         own_only: autoflash's own kernels only (the caller needs the log-sum-exp, or a causal
         alignment other than top-left): a vendor winner is passed over for the best own one.
         deterministic: a variant whose results are bitwise repeatable (`deterministic_variant`).
-        score: the attention variants (forward only): their own problem key, winners and kernels."""
+        score: the attention variants (fwd, bwd): their own problem key, winners and kernels."""
         own_only = own_only or deterministic or not score.plain  # (no vendor kernel computes them)
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
         key = (op, causal, q.dtype, q.device, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(),

@@ -2,9 +2,9 @@
 
 Sliding windows, logit softcaps, ALiBi slopes, attention sinks, additive biases and masks, dropout
 and flash-attn's deterministic backward arrive through the drop-ins (flash-attn's arguments,
-transformers' attention keywords). The forward kernel computes windows, softcaps, ALiBi and per-head
-sinks in calls that need no gradient (`autoflash.variant_forward`); the calls the kernels do not
-serve (those variants with autograd, biases, masks with a variant, dropout, decoding with a variant)
+transformers' attention keywords). The forward and backward kernels compute windows, softcaps, ALiBi
+and per-head sinks (`autoflash.variant_forward`); the calls the kernels do not serve (biases, masks
+with a variant, dropout, decoding with a variant, per-query sinks)
 run here, with one `FallbackWarning` per reason (`AUTOFLASH_STRICT=1`: a `FallbackError`): never the
 answer without the argument.
 

@@ -4,8 +4,8 @@ positionally), and `flash_attn_heads_first` for layers that hold (B, H, N, D) vi
 
 Semantics are flash-attn's: causal and windows aligned bottom-right (query i sits at key position
 i + seqlen_k - seqlen_q), GQA/MQA by head groups. What the kernels compute runs on them: plain attention
-always, windows, softcaps and ALiBi in calls that need no gradient (`autoflash.variant_forward`); the
-rest runs in torch (`autoflash.eager`, or torch SDPA for plain dropout) with one `FallbackWarning` per
+always, windows, softcaps and ALiBi, with autograd too (`autoflash.variant_forward`); the rest (dropout
+with a variant, ...) runs in torch (`autoflash.eager`, or torch SDPA for plain dropout) with one `FallbackWarning` per
 reason, never without the argument.
 """
 
@@ -44,7 +44,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softcap: > 0 caps the scaled scores as softcap * tanh(s / softcap)
         alibi_slopes: (nheads,) or (batch_size, nheads) float32: adds -slope * |i + seqlen_k - seqlen_q - j|
             to the scores
-            (window, softcap and ALiBi run on the kernels in calls that need no gradient, in torch otherwise)
+            (window, softcap and ALiBi run on the kernels, their backward too; with dropout in torch)
         deterministic: a bitwise repeatable backward (a backward variant without float32 atomics;
             torch.use_deterministic_algorithms(True) asks for it too)
         return_attn_probs: also return the log-sum-exp (flash-attn's testing output)
@@ -157,8 +157,9 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if variants:
         score, why = ScoreArgs(window, softcap, alibi_slopes), "not served by the kernels yet"
-        if not score.variant.plain:  # forward-only calls: the generated forward kernel computes them
-            served, why = variant_forward.serve(q, k, v, dropout_p, scale, causal, offset, score, training)
+        if not score.variant.plain:  # the generated kernels compute them (and their backward)
+            served, why = variant_forward.serve(q, k, v, dropout_p, scale, causal, offset, score, training,
+                                                  deterministic_backward(deterministic))
             if served is not None:
                 return served
         fall_back(f"{', '.join(variants)} ({why})", to="torch (autoflash.eager)")

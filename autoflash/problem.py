@@ -105,7 +105,7 @@ class Problem:
     # decode only: the paged KV cache's block size (tokens per page); None: a contiguous cache.
     # Keys and rows made before it existed are contiguous problems.
     page: int | None = None
-    # fwd only: the attention variants the kernel computes (a `ScoreVariant.key` such as
+    # fwd and bwd: the attention variants the kernel computes (a `ScoreVariant.key` such as
     # "window+softcap"; each combination is its own kernel, tuned and served on its own). None: plain
     # attention, as every key made before variants existed.
     score_variant: str | None = None
@@ -128,8 +128,8 @@ class Problem:
                 raise ValueError(f"page (a paged KV cache's block size) is a decode key, not {self.op!r}")
             _check_int("page", self.page, 1, SEQLEN_BUCKET_MAX)
         if self.score_variant is not None:
-            if self.op != "fwd":
-                raise ValueError(f"score_variant (attention variants) is a forward key, not {self.op!r}")
+            if self.op not in ("fwd", "bwd"):
+                raise ValueError(f"score_variant (attention variants) is a forward or backward key, not {self.op!r}")
             if not isinstance(self.score_variant, str) or ScoreVariant.from_key(self.score_variant).key != \
                     self.score_variant or not self.score_variant:
                 raise ValueError(f"score_variant must be a non-empty ScoreVariant key, got {self.score_variant!r}")

@@ -1,11 +1,10 @@
-"""Forward-only calls with attention variants (sliding window, softcap, ALiBi, sinks) on the generated
-forward kernel: what the drop-ins (`flash_attn_func`, `flash_attn_varlen_func`, the transformers
-integration) call when no gradient is needed.
+"""Calls with attention variants (sliding window, softcap, ALiBi, sinks) on the generated kernels: what
+the drop-ins (`flash_attn_func`, `flash_attn_varlen_func`, the transformers integration) call.
 
 The kernel is the forward family's, rendered with the call's variants (`score_variant`): the
 dispatcher looks its winner up under the problem key with the variants (`Problem.score_variant`),
-else serves the family's default variant for the shape. A call that needs the backward keeps
-running in torch (`autoflash.eager`): the backward kernels compute no variants yet.
+else serves the family's default variant for the shape. A call that needs a gradient runs the
+backward family's kernel rendered with the same variants (`autoflash.variant_training`).
 """
 
 from __future__ import annotations
@@ -24,13 +23,11 @@ _FLOAT32_MAX = 3.4e38
 
 
 def unsupported(q, k, v, dropout_p, scale, score: ScoreArgs, training: bool) -> str | None:
-    """Why the forward kernel cannot compute this call's variants, or None. q, k, v: (B, H, N, D)
-    views (or the (1, H, total, D) views of packed tensors)."""
-    if training:
-        return "a differentiable call: the backward kernels compute no attention variants yet"
+    """Why the kernels cannot compute this call's variants, or None. q, k, v: (B, H, N, D) views
+    (or the (1, H, total, D) views of packed tensors). training: the backward kernel too."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile: attention variants have no registered op yet"
-    if reason := unsupported_reason(q, k, v, None, dropout_p, scale):
+    if reason := unsupported_reason(q, k, v, None, dropout_p, scale, training=training):
         return reason
     heads = q.shape[1]
     sinks = score.sinks
@@ -47,14 +44,23 @@ def unsupported(q, k, v, dropout_p, scale, score: ScoreArgs, training: bool) -> 
     return None
 
 
-def serve(q, k, v, dropout_p, scale, causal: bool, offset: int, score: ScoreArgs, training: bool):
-    """((out (B, H, Nq, D) in q's memory layout, lse (B, H, Nq) float32), None) when the kernel computes
+def serve(q, k, v, dropout_p, scale, causal: bool, offset: int, score: ScoreArgs, training: bool,
+          deterministic: bool = False):
+    """((out (B, H, Nq, D) in q's memory layout, lse (B, H, Nq) float32), None) when the kernels compute
     this call, else (None, why). offset: query i sits at key position i + offset (flash-attn:
-    Nk - Nq), for the causal mask, the window and ALiBi alike."""
+    Nk - Nq), for the causal mask, the window and ALiBi alike. training: the output is differentiable
+    (in q, k, v and the sinks) through the backward kernel; deterministic: a bitwise repeatable one."""
     why = unsupported(q, k, v, dropout_p, scale, score, training)
     if why is not None:
         return None, why
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if training:
+        from autoflash import variant_training
+
+        try:
+            return variant_training.attention(q, k, v, sm_scale, causal, offset, score, deterministic), None
+        except KernelCacheError as e:
+            return None, f"no usable kernel cache ({e})"
     out = torch.empty_like(q)  # q's memory layout: (B, N, H, D) inputs, no copy
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     try:

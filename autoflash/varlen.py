@@ -7,9 +7,10 @@ sequence's bounds from cu_seqlens and exits when its tile starts past that seque
 (the triton_fwd and triton_bwd families, `VARLEN`). The kernel is the winner of the
 dense problem of the longest sequence (its own family, else the default one: `Dispatcher.varlen_kernel_for`).
 
-Windows, softcaps and ALiBi in calls that need no gradient run in one launch of the forward kernel
-rendered with them (`autoflash.variant_forward`). Calls the kernels do not take (a dtype, device or
-head dim they do not support, a non-positive scale, dropout, those variants with autograd) run
+Windows, softcaps and ALiBi run in one launch of the forward kernel rendered with them
+(`autoflash.variant_forward`), and with autograd in one launch of each backward kernel rendered with
+them too (`VarlenAttention`). Calls the kernels do not take (a dtype, device or head dim they do not
+support, a non-positive scale, dropout) run
 sequence by sequence through `flash_attn_func`, which runs them in torch with one warning per reason
 (`AUTOFLASH_STRICT=1`: an error). A deterministic backward runs on the packed kernels, in a variant
 without float32 atomics. A paged K/V (`block_table`) is gathered into packed tensors first.
@@ -25,7 +26,7 @@ from autoflash import variant_forward
 from autoflash.decode_validate import validate_varlen
 from autoflash.dispatch import get_dispatcher
 from autoflash.flash_attn import flash_attn_func
-from autoflash.score_variant import ScoreArgs
+from autoflash.score_variant import PLAIN, ScoreArgs
 from autoflash.training import first_order
 from autoflash.validate import (check_alibi, check_flag, check_numbers, check_softcap, check_window,
                                 deterministic_backward, needs_autograd, unsupported_reason)
@@ -41,13 +42,18 @@ class VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: float, causal: bool,
-                deterministic: bool = False):
+                deterministic: bool = False, score: ScoreArgs | None = None):
+        """score: the attention variants' values (windows, softcap, ALiBi; None: plain), rendered into
+        both kernels (no gradient: slopes and softcap get none, as flash-attn's)."""
+        variant = PLAIN if score is None else score.variant
         out = torch.empty_like(q)
         lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
-        kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, out), causal, "fwd", max_q, max_k)
-        kernel.forward_varlen(q, k, v, out, lse, cu_q, cu_k, max_q, sm_scale, causal)
+        kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, out), causal, "fwd", max_q, max_k,
+                                                    score=variant)
+        kernel.forward_varlen(q, k, v, out, lse, cu_q, cu_k, max_q, sm_scale, causal,
+                              **({} if score is None else {"score_args": score}))
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, sm_scale, causal, deterministic)
+        ctx.args = (max_q, max_k, sm_scale, causal, deterministic, score)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -55,12 +61,13 @@ class VarlenAttention(torch.autograd.Function):
     @first_order
     def backward(ctx, grad_out, grad_lse):  # (the LSE is an output for the caller, not differentiable)
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, sm_scale, causal, deterministic = ctx.args
+        max_q, max_k, sm_scale, causal, deterministic, score = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, grad_out), causal, "bwd", max_q, max_k,
-                                                    deterministic)
-        kernel.backward_varlen(q, k, v, out, lse, grad_out, dq, dk, dv, cu_q, cu_k, max_q, max_k, sm_scale, causal)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                                    deterministic, score=PLAIN if score is None else score.variant)
+        kernel.backward_varlen(q, k, v, out, lse, grad_out, dq, dk, dv, cu_q, cu_k, max_q, max_k, sm_scale, causal,
+                               **({} if score is None else {"score_args": score}))
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _kernels_take(q, k, v, softmax_scale) -> bool:
@@ -187,12 +194,18 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, caus
         return _NoAttention.apply(q, k, v), lse
     longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
-    if extras and not (extras["dropout_p"] or needs_autograd(q, k, v)):
+    if extras and not extras["dropout_p"]:
         score = ScoreArgs(extras["window_size"], extras["softcap"], extras["alibi_slopes"])
-        served, _why = variant_forward.serve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, longest_q, longest_k,
-                                                    softmax_scale, causal, score)
-        if served is not None:  # (else sequence by sequence: flash_attn_func says why, once per reason)
-            return served[0], (served[1] if return_lse else None)
+        if not needs_autograd(q, k, v):
+            served, _why = variant_forward.serve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, longest_q, longest_k,
+                                                        softmax_scale, causal, score)
+            if served is not None:  # (else sequence by sequence: flash_attn_func says why, once per reason)
+                return served[0], (served[1] if return_lse else None)
+        elif variant_forward.unsupported(*_packed_views(q, k, v), 0.0, softmax_scale, score, training=True) is None:
+            sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+            out, lse = VarlenAttention.apply(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest_q,
+                                             longest_k, sm_scale, causal, deterministic, score)
+            return out, (lse if return_lse else None)
     if extras or not _kernels_take(q, k, v, softmax_scale):
         return _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal, {**extras, "deterministic": deterministic},
                              return_lse)

@@ -127,9 +127,17 @@ def test_a_window_that_binds_is_never_dropped_silently(strict):
     # Forward only: the kernel computes the window (no fallback, even under strict mode).
     out = autoflash.flash_attn_func(q, q, q, 0.0, None, False, (2, 2))
     assert close(out, reference(q, q, q, 16 ** -0.5, False, (2, 2))[0])
-    # With a gradient to compute: the backward kernels have no windows yet, torch serves it, never silently.
+    # With a gradient to compute: the backward kernels compute the window too (no fallback either).
+    from autoflash.eager import eager_attention
+
+    mine, theirs = q.clone().requires_grad_(), q.clone().double().requires_grad_()
+    autoflash.flash_attn_func(mine, q, q, 0.0, None, False, (2, 2)).sum().backward()
+    eager_attention(theirs.transpose(1, 2), q.double().transpose(1, 2), q.double().transpose(1, 2), scale=16 ** -0.5,
+                    window=(2, 2))[0].sum().backward()  # (float64 autograd)
+    assert close(mine.grad, theirs.grad)
+    # With dropout: torch serves it, never silently.
     with pytest.raises(FallbackError, match="window_size"):
-        autoflash.flash_attn_func(q.clone().requires_grad_(), q, q, 0.0, None, False, (2, 2))
+        autoflash.flash_attn_func(q.clone().requires_grad_(), q, q, 0.1, None, False, (2, 2))
     # A window that excludes no key, and right == 0 (causality), stay on the kernels even under strict mode.
     out = autoflash.flash_attn_func(q, q, q, 0.0, None, False, (100, -1))
     assert close(out, reference(q, q, q, 16 ** -0.5)[0])

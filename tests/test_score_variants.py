@@ -202,8 +202,12 @@ def test_a_variant_kernel_has_its_own_source_file_and_hash():
     assert codegen.variant_hash(variant, score=windowed) != codegen.variant_hash(variant)
     assert "-window_sinks-" in codegen.source_path(variant, score=windowed).name
     assert "window_left" in codegen.render(variant, score=windowed)
+    bwd = load_space("triton_bwd").check_declared(PLAIN_RENDERINGS[4][1])
+    assert codegen.variant_hash(bwd, score=windowed) != codegen.variant_hash(bwd)
+    assert "window_left" in codegen.render(bwd, score=windowed)
+    decode = load_space("triton_decode")
     with pytest.raises(ValueError, match="attention variants"):
-        codegen.load(load_space("triton_bwd").check_declared(PLAIN_RENDERINGS[4][1]), score=windowed)
+        codegen.load(decode.check_declared({k: c[0] for k, c in decode.knobs.items()}), score=windowed)
 
 
 def test_the_variants_are_part_of_the_problem_key_and_plain_keys_are_unchanged():
@@ -213,8 +217,9 @@ def test_the_variants_are_part_of_the_problem_key_and_plain_keys_are_unchanged()
     assert windowed.key == "fwd/float16/d64/causal/g2/q1024/k1024/w3/window+softcap"
     assert Problem.from_key(windowed.key) == windowed and Problem.from_key(plain.key) == plain
     assert Problem.from_key("fwd/float16/d64/full/g1/q64/k64/sinks").score_variant == "sinks"  # (no work bucket)
+    assert Problem.from_key("bwd/float16/d64/causal/g1/q64/k64/window+sinks").score_variant == "window+sinks"
     for bad in ("fwd/float16/d64/causal/g1/q64/k64/softcap+window", "fwd/float16/d64/causal/g1/q64/k64/tanh",
-                "bwd/float16/d64/causal/g1/q64/k64/window", "fwd/float16/d64/causal/g1/q64/k64/window+window"):
+                "decode/float16/d64/causal/g1/q64/k64/window", "fwd/float16/d64/causal/g1/q64/k64/window+window"):
         with pytest.raises(ValueError):
             Problem.from_key(bad)
     q, k = torch.empty(2, 4, 1000, 64, dtype=torch.float16), torch.empty(2, 2, 1000, 64, dtype=torch.float16)
@@ -268,8 +273,10 @@ def test_autoflash_render_shows_a_variant_kernel():
                                  '{"LOADS": "pointer"}'], catch_exceptions=False)
     assert r.exit_code == 0 and "window_left, window_right," in r.output and "softcap_log2" in r.output
     compile(r.output, "<rendered>", "exec")
-    r = CliRunner().invoke(cli, ["render", "--op", "bwd", "--score", "window"])
-    assert r.exit_code != 0 and "computes no attention variants" in r.output
+    r = CliRunner().invoke(cli, ["render", "--op", "bwd", "--score", "window+softcap", "--variant",
+                                 '{"LOADS": "pointer", "DKDV_KERNEL": "triton"}'], catch_exceptions=False)
+    assert r.exit_code == 0 and "window_left, window_right," in r.output and "softcap_t * softcap_t" in r.output
+    compile(r.output, "<rendered>", "exec")
     r = CliRunner().invoke(cli, ["render", "--op", "fwd", "--score", "tanh"])
     assert r.exit_code != 0 and "score variant 'tanh'" in r.output
 
@@ -303,10 +310,10 @@ def test_flash_attn_func_serves_forward_only_variants_on_the_kernel(name, strict
 
 
 @pytest.mark.interpreter
-def test_a_differentiable_call_with_a_variant_stays_in_torch(strict, fresh):
+def test_dropout_with_a_variant_stays_in_torch(strict, fresh):
     q, k, v = _inputs(9, 9, 16, torch.float32, seed=2)
-    with pytest.raises(FallbackError, match="softcap.*backward kernels"):
-        _flash(q.requires_grad_(), k, v, softcap=2.0)
+    with pytest.raises(FallbackError, match="softcap"):
+        _flash(q.requires_grad_(), k, v, softcap=2.0, dropout_p=0.1)
 
 
 @pytest.mark.interpreter

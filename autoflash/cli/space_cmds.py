@@ -73,7 +73,7 @@ def complete_variant(sp, given: dict, prob, device):
               help="Variant as JSON; knobs left out come from the built-in default, or, where the default's "
                    "values do not fit the given knobs, from the nearest valid variant that has them.")
 @click.option("--score", "score_key", default="", metavar="VARIANTS",
-              help="Attention variants to render in, '+'-joined: window, softcap, alibi, sinks (forward only).")
+              help="Attention variants to render in, '+'-joined: window, softcap, alibi, sinks (fwd, bwd).")
 def render(op, dtype, head_dim, causal, gqa_group, variant_json, score_key):
     """Print the generated Triton source of one variant.
 

@@ -79,11 +79,13 @@ class BackwardFamily(Family):
 
     @abc.abstractmethod
     def launch(self, *, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int,
-               compile_only: bool = False) -> None:
-        """dq, dk, dv written in place from the forward's o and lse (layouts as the forward's)."""
+               compile_only: bool = False, score_args=None) -> None:
+        """dq, dk, dv written in place from the forward's o and lse (layouts as the forward's).
+        score_args: the values of the `score` variants, as the forward's (None: plain)."""
 
     def launch_varlen(self, *, q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                      max_seqlen_k: int, sm_scale: float, causal: bool, compile_only: bool = False) -> None:
+                      max_seqlen_k: int, sm_scale: float, causal: bool, compile_only: bool = False,
+                      score_args=None) -> None:
         raise NotImplementedError(f"{self.name} takes no packed sequences")
 
 

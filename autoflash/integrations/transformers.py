@@ -22,8 +22,8 @@ from their `attention_interface(...)` calls) is served, or known not to change t
 (`HARMLESS`): `scaling`, `dropout`, `is_causal`, `sliding_window`, `softcap` (Gemma-2), `s_aux` /
 `sinks` (gpt-oss's learned sinks, per-query sinks), `position_bias` (an additive bias),
 `deterministic`, and packed sequences as `cu_seq_lens_q/k` (+ `max_length_q/k`). Sliding windows,
-softcaps and per-head sinks run on the forward kernel in calls that need no gradient (inference,
-`autoflash.variant_forward`); the rest (their backward, a position bias, a mask with a variant) runs
+softcaps and per-head sinks run on the generated kernels, with their backward in training
+(`autoflash.variant_forward`); the rest (dropout with sinks, a position bias, a mask with a variant) runs
 in torch (`autoflash.eager`, transformers' eager semantics) with one warning. Any other keyword with a value is never dropped silently: one warning, an error under
 AUTOFLASH_STRICT=1.
 """
@@ -89,7 +89,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         window_, causal_ = binding_window(window, causal, n_q, n_k)
         served, why = variant_forward.serve(query, key, value, dropout, scaling, causal_, n_k - n_q,
                                             ScoreArgs(window_, softcap or 0.0, None, sinks),
-                                            needs_autograd(query, key, value, sinks))
+                                            needs_autograd(query, key, value, sinks), deterministic)
         if served is not None:
             return served[0].transpose(1, 2).contiguous(), None
     if sinks is not None or position_bias is not None or (attention_mask is not None and (

@@ -1,7 +1,9 @@
 """The backward family's host side: delta (the preprocessing kernel), the dK/dV kernel (Triton's,
 or the Gluon one where the variant carries it and the call allows), the dQ kernel or the atomic dQ
 buffer, the GQA partial-sum reduce, grid orders, windows of packed sequences and the second stream
-of DQ_OVERLAP "concurrent". The kernels are in kernel.py.jinja (and gluon_dkdv.py.jinja)."""
+of DQ_OVERLAP "concurrent". The kernels are in kernel.py.jinja (and gluon_dkdv.py.jinja). The attention
+variants (`autoflash.score_variant`) are rendered into the Triton kernels (the Gluon dK/dV kernel computes
+none: a variant kernel runs Triton's); their values go to the launches as the kernels' variant parameters."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import triton
 
 from autoflash.families._shared.triton_launch import dot_precision, head_block
 from autoflash.families.base import MAX_GRID_AXIS, BackwardFamily
+from autoflash.score_variant import NO_SCORE_ARGS
 
 PREPROCESS_BLOCK = 64  # query rows per delta program
 GQA_REDUCE_ROWS = 32  # key rows per program of the GQA partial-sum reduce
@@ -33,29 +36,31 @@ def side_stream(device):
 class TritonBackward(BackwardFamily):
     name = "triton_bwd"
     supports_varlen = True
+    serves_score_variants = True
     max_grid_axis = MAX_GRID_AXIS  # (a test lowers it to exercise the windows of packed sequences)
 
     def grid(self, blocks: int, heads: int) -> tuple[int, int]:
         return (blocks, heads) if self.knobs["GRID_ORDER"] == "kv_major" else (heads, blocks)
 
-    def launch(self, *, q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset, compile_only=False):
+    def launch(self, *, q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset, compile_only=False,
+               score_args=None):
         batch = q.shape[0]
         lse = lse.contiguous()  # delta is made with lse's (contiguous) layout: the kernels index both alike
         delta = torch.empty((batch, q.shape[1], q.shape[2]), device=q.device, dtype=torch.float32)
         self._launch(q, k, v, o, lse, do, dq, dk, dv, delta, None, None, batch, q.shape[2], k.shape[2], sm_scale,
-                     causal, causal_offset, compile_only)
+                     causal, causal_offset, compile_only, score_args or NO_SCORE_ARGS)
 
     def launch_varlen(self, *, q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      sm_scale, causal, compile_only=False):
+                      sm_scale, causal, compile_only=False, score_args=None):
         views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o, do, dq, dk, dv)]  # (1, H, total, D)
         lse = lse.contiguous()  # delta and the atomic dQ buffer are made contiguous and indexed with lse's strides
         delta = torch.empty((1, q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
         self._launch(*views[:4], lse.unsqueeze(0), *views[4:], delta, cu_seqlens_q, cu_seqlens_k,
                      cu_seqlens_q.shape[0] - 1, max(max_seqlen_q, 1), max(max_seqlen_k, 1), sm_scale, causal, 0,
-                     compile_only)
+                     compile_only, score_args or NO_SCORE_ARGS)
 
     def _launch(self, q, k, v, o, lse, do, dq, dk, dv, delta, cu_q, cu_k, batch, n_q, n_k, sm_scale, causal,
-                causal_offset, compile_only):
+                causal_offset, compile_only, score_args=NO_SCORE_ARGS):
         """DQ_OVERLAP "concurrent": the dK/dV launches on the second stream for the caller's stream;
         each run of them first waits for the caller's stream, and the caller's stream waits for them
         when the call ends, also when a launch raised (the buffers they use are freed on the caller's
@@ -64,7 +69,7 @@ class TritonBackward(BackwardFamily):
         side = side_stream(q.device) if concurrent and q.is_cuda and not compile_only else None
         try:
             self._launch_beside(side, q, k, v, o, lse, do, dq, dk, dv, delta, cu_q, cu_k, batch, n_q, n_k, sm_scale,
-                                causal, causal_offset, compile_only)
+                                causal, causal_offset, compile_only, score_args)
         finally:
             if side is not None:
                 torch.cuda.current_stream(q.device).wait_stream(side)
@@ -78,7 +83,7 @@ class TritonBackward(BackwardFamily):
         return torch.cuda.stream(side)  # (None: the caller's stream)
 
     def _launch_beside(self, side, q, k, v, o, lse, do, dq, dk, dv, delta, cu_q, cu_k, batch, n_q, n_k, sm_scale,
-                       causal, causal_offset, compile_only):
+                       causal, causal_offset, compile_only, score_args):
         """q ... dv: (B, H, N, D) views (B = 1 for packed sequences, whose rows the cu tensors split);
         lse and delta (B, H, total rows) float32; n_q, n_k: the (longest) sequence lengths."""
         kn, kernels = self.knobs, self.kernels
@@ -121,10 +126,11 @@ class TritonBackward(BackwardFamily):
         if kn["DKDV_KERNEL"] == "gluon_sm90":
             from autoflash.families.triton_bwd import gluon_dkdv as gluon
 
-            gluon_dkdv = not varlen and gluon.refusal(q, k, v, do, dk, dv) is None
+            gluon_dkdv = not varlen and self.score.plain and gluon.refusal(q, k, v, do, dk, dv) is None
         for first in range(0, batch, per_launch):
             window = min(per_launch, batch - first)
             cu_qw, cu_kw = (cu_q[first:], cu_k[first:]) if varlen else (None, None)
+            score = score_args.batch_slice(first).kernel_args(self.score)  # (the window's (B, H) ALiBi slopes)
             with self._on_side(side, q.device):
                 if gluon_dkdv:  # the Gluon kernel where it takes the call, else Triton's
                     args, constexprs, gl_grid, options = gluon.launch_args(kn, q, k, v, do, dk, dv, lse, delta,
@@ -137,13 +143,13 @@ class TritonBackward(BackwardFamily):
                     call(kernels._bwd_dkdv, self.grid(triton.cdiv(n_k, kn["BLOCK_N1"]), window * heads_kv * split),
                          q, k, v, do, lse, delta, dk, dv, dq_acc if dq_acc is not None else dq, cu_qw, cu_kw, *parts,
                          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), stride_lz,
-                         stride_lh, heads, heads_kv, n_q, n_k, heads // heads_kv, sm_scale, causal_offset,
+                         stride_lh, heads, heads_kv, n_q, n_k, heads // heads_kv, sm_scale, causal_offset, *score,
                          BLOCK_M=kn["BLOCK_M1"], BLOCK_N=kn["BLOCK_N1"], **common)
             if kn["DQ_MODE"] == "separate":
                 call(kernels._bwd_dq, self.grid(triton.cdiv(n_q, kn["BLOCK_M2"]), window * heads),
                      q, k, v, do, lse, delta, dq, cu_qw, cu_kw,
                      *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), stride_lz, stride_lh,
-                     heads, n_q, n_k, heads // heads_kv, sm_scale, causal_offset,
+                     heads, n_q, n_k, heads // heads_kv, sm_scale, causal_offset, *score,
                      BLOCK_M=kn["BLOCK_M2"], BLOCK_N=kn["BLOCK_N2"], **common)
             if compile_only:
                 break

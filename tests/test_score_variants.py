@@ -352,17 +352,47 @@ def test_transformers_sinks_and_windows_run_on_the_kernel(strict, fresh):
 
 def test_transformers_window_mask_is_none_only_for_flash_attn_s_own_window():
     pytest.importorskip("transformers")
+    from transformers import MistralConfig
     from transformers.masking_utils import sliding_window_causal_mask_function
 
     from autoflash.integrations.transformers import window_mask
 
-    fn = sliding_window_causal_mask_function(8)
-    assert window_mask(2, 40, 40, mask_function=fn, local_size=8) is None  # prefill, no padding
-    assert window_mask(2, 1, 40, q_offset=39, mask_function=fn, local_size=8) is None  # one-token decoding
+    fn, config = sliding_window_causal_mask_function(8), MistralConfig(sliding_window=8)
+    assert window_mask(2, 40, 40, mask_function=fn, local_size=8, config=config) is None  # prefill, no padding
+    assert window_mask(2, 1, 40, q_offset=39, mask_function=fn, local_size=8, config=config) is None  # decoding
     padded = torch.ones(2, 40, dtype=torch.bool)
     padded[0, :3] = False
-    assert window_mask(2, 40, 40, mask_function=fn, attention_mask=padded, local_size=8) is not None
-    assert window_mask(2, 10, 40, q_offset=30, mask_function=fn, local_size=8) is not None  # a chunk after context
+    assert window_mask(2, 40, 40, mask_function=fn, attention_mask=padded, local_size=8, config=config) is not None
+    assert window_mask(2, 10, 40, q_offset=30, mask_function=fn, local_size=8, config=config) is not None
+    # no config, or one whose window is another size: the layer's keyword may not match, the mask stays
+    assert window_mask(2, 40, 40, mask_function=fn, local_size=8) is not None
+    assert window_mask(2, 40, 40, mask_function=fn, local_size=8, config=MistralConfig(sliding_window=16)) is not None
+
+
+def test_transformers_chunked_attention_mask_is_never_dropped():
+    """Llama-4's chunked attention: on a decoding step at a chunk's last token the chunk's mask looks
+    like a sliding window of `local_size` keys, but the layer passes no `sliding_window`: dropping the
+    mask attended to every key of the cache (1.28 off SDPA with the mask)."""
+    pytest.importorskip("transformers")
+    from transformers import PretrainedConfig
+    from transformers.masking_utils import chunked_causal_mask_function, sdpa_mask
+
+    from autoflash.integrations.transformers import attention_forward, window_mask
+
+    config = PretrainedConfig(attention_chunk_size=4)
+    fn = chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    args = dict(q_offset=7, kv_offset=0, mask_function=fn, local_size=4)
+    want_mask = sdpa_mask(batch_size=1, q_length=1, kv_length=8, **args)
+    mask = window_mask(batch_size=1, q_length=1, kv_length=8, config=config, **args)
+    assert mask is not None and torch.equal(mask, want_mask)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    q, k, v = (torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(n)) for n in (1, 8, 8))
+    out, _ = attention_forward(Layer().eval(), q, k, v, mask, scaling=0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=want_mask, scale=0.25)
+    assert (out - want.transpose(1, 2)).abs().max() <= 1e-5
 
 
 # ----------------------------------------------------------------------------- the GPU compiler

@@ -147,22 +147,35 @@ def _document_mask(cu_q, cu_k, n_q: int, n_k: int, causal: bool):
     return mask
 
 
-def window_mask(batch_size, q_length, kv_length, *args, local_size=None, **kwargs):
+def window_mask(batch_size, q_length, kv_length, *args, local_size=None, config=None, **kwargs):
     """transformers' SDPA mask, but None where it is exactly flash-attn's bottom-right causal sliding
     window of `local_size` keys over every batch entry (no padding, no other pattern), in a prefill
     (as many queries as keys) or a one-token decoding step: the attention function then computes the
     window from its `sliding_window` keyword, on the kernels (the same contract as transformers'
-    flash-attention path). Anything else, the mask as transformers builds it."""
+    flash-attention path). Only for a model whose config says its layers slide a window of that size
+    (`sliding_window`) and chunk nothing: `local_size` is also the chunk of a chunked-attention mask
+    (Llama-4's `attention_chunk_size`), which can look like a window on one step while the layer passes
+    no `sliding_window`; dropping it there would attend to every key. Anything else: the mask as
+    transformers builds it."""
     from transformers.masking_utils import sdpa_mask
 
-    mask = sdpa_mask(batch_size, q_length, kv_length, *args, local_size=local_size, **kwargs)
+    mask = sdpa_mask(batch_size, q_length, kv_length, *args, local_size=local_size, config=config, **kwargs)
     if (mask is None or local_size is None or q_length not in (1, kv_length) or mask.dtype != torch.bool
-            or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling() or not _slides_window(config, local_size)):
         return mask
     i = torch.arange(q_length, device=mask.device)[:, None] + (kv_length - q_length)
     j = torch.arange(kv_length, device=mask.device)[None, :]
     flash_window = (j <= i) & (j > i - local_size)
     return None if mask.shape[-2:] == flash_window.shape and bool((mask == flash_window).all()) else mask
+
+
+def _slides_window(config, local_size: int) -> bool:
+    """Whether the model's (text) config declares a sliding window of `local_size` and no chunked attention."""
+    if config is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return (getattr(text, "sliding_window", None) == local_size
+            and not getattr(text, "attention_chunk_size", None))
 
 
 def register(name: str = NAME) -> str:

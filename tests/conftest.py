@@ -63,6 +63,16 @@ def strict(monkeypatch):
 
 
 @pytest.fixture
+def fresh_api():
+    """autoflash.api's per-process caches (memoized calls, dispatcher) empty before and after."""
+    from autoflash import api
+
+    api.reset()
+    yield
+    api.reset()
+
+
+@pytest.fixture
 def own_kernels(monkeypatch):
     """The own kernels serve wherever they take a call (the serving policy's SDPA-cuDNN default off):
     for GPU tests of the own kernels' paths through the public API."""

@@ -115,3 +115,22 @@ def compile_gluon_for_sm90(fn, args, constexprs, options):
     with codegen.interpreter_off():
         return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                               options=options)
+
+
+def rand(*shape, seed, dtype=None):
+    """A reproducible standard-normal tensor (float32, or `dtype`)."""
+    import torch
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return x if dtype is None else x.to(dtype)
+
+
+def quiet(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with autoflash's fallback warnings silenced."""
+    import warnings
+
+    from autoflash.fallback import FallbackWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        return fn(*args, **kwargs)

@@ -4,16 +4,15 @@ error (never the answer of another argument's place). CPU: Triton's interpreter,
 
 import inspect
 import math
-import warnings
 
 import pytest
 import torch
 
 import autoflash
-from autoflash import api
-from autoflash.fallback import FallbackError, FallbackWarning
+from autoflash.fallback import FallbackError
+from helpers import quiet, rand
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("fresh_api")]
 
 # flash-attn 2.8's public signatures (flash_attn_interface.py), in order.
 FA_DENSE = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
@@ -88,28 +87,14 @@ def close(x, ref, tol=2e-5):
     return (x.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
 
 
-def rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    api.reset()
-    yield
-    api.reset()
-
-
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)
-        return fn(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- dense
 def test_flash_attn_func_positional_every_argument():
     q, k, v = rand(2, 7, 4, 16, seed=1), rand(2, 11, 2, 16, seed=2), rand(2, 11, 2, 16, seed=3)
     alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    out, lse, probs = _quiet(autoflash.flash_attn_func, q, k, v, 0.0, 0.3, True, (3, 1), 2.0, alibi, True, True)
+    out, lse, probs = quiet(autoflash.flash_attn_func, q, k, v, 0.0, 0.3, True, (3, 1), 2.0, alibi, True, True)
     ref, ref_lse = reference(q, k, v, 0.3, True, (3, 1), 2.0, alibi)
     assert close(out, ref) and close(lse, ref_lse) and probs is None
 
@@ -118,7 +103,7 @@ def test_flash_attn_func_positional_every_argument():
                                             ((100, 100), False)])
 def test_windows_against_the_reference(window, causal):
     q, k, v = rand(1, 9, 2, 16, seed=4), rand(1, 13, 2, 16, seed=5), rand(1, 13, 2, 16, seed=6)
-    out = _quiet(autoflash.flash_attn_func, q, k, v, 0.0, None, causal, window)
+    out = quiet(autoflash.flash_attn_func, q, k, v, 0.0, None, causal, window)
     assert close(out, reference(q, k, v, 16 ** -0.5, causal, window)[0])
 
 
@@ -148,9 +133,9 @@ def test_a_window_that_binds_is_never_dropped_silently(strict):
 def test_positional_dropout_is_dropout_not_a_scale():
     q, k, v = rand(1, 8, 2, 16, seed=7), rand(1, 8, 2, 16, seed=8), rand(1, 8, 2, 16, seed=9)
     # dropout_p = 1 drops every probability: zeros. Taken as a softmax scale it would not be.
-    assert _quiet(autoflash.flash_attn_func, q, k, v, 1.0).abs().max().item() == 0.0
+    assert quiet(autoflash.flash_attn_func, q, k, v, 1.0).abs().max().item() == 0.0
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    packed = _quiet(autoflash.flash_attn_varlen_func, q[0], k[0], v[0], cu, cu, 5, 5, 1.0)
+    packed = quiet(autoflash.flash_attn_varlen_func, q[0], k[0], v[0], cu, cu, 5, 5, 1.0)
     assert packed.abs().max().item() == 0.0
 
 
@@ -171,7 +156,7 @@ def test_deterministic_backward_is_bitwise_repeatable():
     grads = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        _quiet(autoflash.flash_attn_func, *leaves, 0.0, None, True, (-1, -1), 0.0, None, True).sum().backward()
+        quiet(autoflash.flash_attn_func, *leaves, 0.0, None, True, (-1, -1), 0.0, None, True).sum().backward()
         grads.append([t.grad for t in leaves])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
@@ -195,7 +180,7 @@ def test_varlen_positional_every_argument():
     cu_k = torch.tensor([0, 7, 11, 20], dtype=torch.int32)
     q, k, v = rand(15, 4, 16, seed=17), rand(20, 2, 16, seed=18), rand(20, 2, 16, seed=19)
     alibi = rand(3, 4, seed=20).abs()
-    out, lse, _ = _quiet(autoflash.flash_attn_varlen_func, q, k, v, cu_q, cu_k, 9, 9, 0.0, 0.35, True, (2, 0), 1.5,
+    out, lse, _ = quiet(autoflash.flash_attn_varlen_func, q, k, v, cu_q, cu_k, 9, 9, 0.0, 0.35, True, (2, 0), 1.5,
                          alibi, False, True, None)
     for i in range(3):
         a, b, c, d = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
@@ -226,7 +211,7 @@ def test_kvcache_positional_every_served_argument():
     lens = torch.tensor([5, 9], dtype=torch.int32)
     alibi = torch.tensor([0.3, 0.2, 0.1, 0.05])
     kc, vc = k_cache.clone(), v_cache.clone()
-    out, lse = _quiet(autoflash.flash_attn_with_kvcache, q, kc, vc, k_new, v_new, None, None, lens, None, None, None,
+    out, lse = quiet(autoflash.flash_attn_with_kvcache, q, kc, vc, k_new, v_new, None, None, lens, None, None, None,
                       0.3, True, (3, -1), 1.5, True, alibi, 0, True)
     for b in range(2):
         n = int(lens[b]) + 2

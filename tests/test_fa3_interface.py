@@ -4,17 +4,16 @@ that see no key; seqused_q/k; flash_attn_combine against attention over the conc
 CPU: Triton's interpreter, float32."""
 
 import inspect
-import warnings
 
 import pytest
 import torch
 
 import autoflash
-from autoflash import api
 from autoflash import flash_attn_interface as fa3
-from autoflash.fallback import FallbackError, FallbackWarning
+from autoflash.fallback import FallbackError
+from helpers import quiet, rand
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("fresh_api")]
 
 # FlashAttention-3's public signatures (hopper/flash_attn_interface.py), in order.
 SIGNATURES = {
@@ -85,28 +84,14 @@ def close(x, ref, tol=2e-5):
     return (x[~inf] - ref[~inf]).abs().max().item() <= tol * max(1.0, ref[~inf].abs().max().item())
 
 
-def rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    api.reset()
-    yield
-    api.reset()
-
-
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)
-        return fn(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- dense
 def test_flash_attn_func_positional_every_argument():
     q, k, v = rand(2, 9, 4, 16, seed=1), rand(2, 6, 2, 16, seed=2), rand(2, 6, 2, 16, seed=3)
     # causal with more queries than keys: the first rows see no key (out 0, lse -inf)
-    out, lse = _quiet(fa3.flash_attn_func, q, k, v, 0.3, True, None, None, None, None, (3, 1), 0, 2.0, 4, True,
+    out, lse = quiet(fa3.flash_attn_func, q, k, v, 0.3, True, None, None, None, None, (3, 1), 0, 2.0, 4, True,
                       True, 8, True)
     ref, ref_lse = reference(q, k, v, 0.3, True, (3, 1), 2.0)
     assert close(out, ref) and close(lse, ref_lse) and (lse == float("-inf")).any()
@@ -175,7 +160,7 @@ def _packed(seed):
 def test_varlen_positional_every_argument_with_seqused():
     q, k, v, cu_q, cu_k = _packed(20)
     used_q, used_k = torch.tensor([5, 0, 9], dtype=torch.int32), torch.tensor([9, 2, 0], dtype=torch.int32)
-    out, lse = _quiet(fa3.flash_attn_varlen_func, q, k, v, cu_q, cu_k, 9, 12, used_q, used_k, 0.35, True, None, None,
+    out, lse = quiet(fa3.flash_attn_varlen_func, q, k, v, cu_q, cu_k, 9, 12, used_q, used_k, 0.35, True, None, None,
                       None, None, (4, 0), 0, 1.5, 2, None, False, 0, True)
     assert out.shape == q.shape and lse.shape == (4, q.shape[0])
     for b in range(3):

@@ -13,23 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autoflash
-from autoflash import api
 from autoflash.fallback import FallbackError, FallbackWarning
 from autoflash.integrations.transformers import HARMLESS, attention_forward
 from autoflash.reference import reference_grads, rel_error, sdpa_grads
+from helpers import rand
 
-pytestmark = pytest.mark.interpreter
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    api.reset()
-    yield
-    api.reset()
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("fresh_api")]
 
 
-def rand(*shape, seed, dtype=torch.float32):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 # ----------------------------------------------------------------------------- gradients at any scale

@@ -14,22 +14,13 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import autoflash
-from autoflash import api
 from autoflash.fallback import FallbackWarning
 from autoflash.sdpa_args import kernel_views, sdpa_batch
+from helpers import rand
 
-pytestmark = pytest.mark.interpreter
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    api.reset()
-    yield
-    api.reset()
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("fresh_api")]
 
 
-def rand(*shape, seed, dtype=torch.float32):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def both(*args, **kwargs):

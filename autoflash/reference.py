@@ -121,7 +121,9 @@ def torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     its refusals are torch's, whatever backend torch picks for them."""
     import torch.nn.functional as F
 
-    if scale is not None and not _positive(scale):  # (see sdpa_attention: NaN from the default backend)
+    # (see sdpa_attention: NaN from the default backend). Only with a dropout in [0, 1]: the math
+    # backend takes a negative or NaN dropout as none, where the default one refuses it (torch decides).
+    if scale is not None and not _positive(scale) and _in_unit_interval(dropout_p):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.MATH):
@@ -129,6 +131,13 @@ def torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                                   enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                           enable_gqa=enable_gqa)
+
+
+def _in_unit_interval(p) -> bool:
+    try:
+        return 0.0 <= float(p) <= 1.0
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def _positive(scale) -> bool:

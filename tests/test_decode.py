@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from autoflash import api, codegen, decode, decode_kernels, flash_attn
+from autoflash import api, codegen, decode, decode_kernels, flash_attn, kvcache_args
 from autoflash.api import FallbackError, FallbackWarning
 from autoflash.decode import flash_attn_with_kvcache
 from autoflash.varlen import flash_attn_varlen_func
@@ -398,7 +398,7 @@ def test_gpu_bf16_decode(q_len, paged, num_splits):
     kc0, vc0 = kc.clone(), vc.clone()
     out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, block_table=table, causal=True,
                                   num_splits=num_splits)
-    decode._append(kc0, vc0, k, v, lengths, table)
+    kvcache_args.append(kc0, vc0, k, v, lengths, table, None)
     assert torch.equal(kc0, kc) and torch.equal(vc0, vc)
     total = lengths + q_len
     ref, _ = decode.torch_decode(q.double(), kc.double(), vc.double(), total, table, 1 / math.sqrt(d), True)

@@ -75,6 +75,10 @@ def test_kvcache_with_an_out_of_range_scale_falls_back_and_a_zero_head_dim_is_em
     assert empty.shape == (1, 1, 2, 0)
 
 
+# the own kernels' refusal, or torch's where an SDPA backend serves the call (cuDNN's backward has no derivative)
+SECOND_DERIVATIVE_REFUSED = "not twice differentiable|derivative for .* is not implemented"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", ["attention", "flash_attn_func"])
 def test_a_second_derivative_through_the_kernels_raises_instead_of_dropping_a_term(fn, device):
@@ -84,7 +88,7 @@ def test_a_second_derivative_through_the_kernels_raises_instead_of_dropping_a_te
     q, k, v = _qkv(requires_grad=True, device=device)
     out = autoflash.attention(q, k, v) if fn == "attention" else autoflash.flash_attn_func(q, k, v)
     gq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="not twice differentiable"):
+    with pytest.raises(RuntimeError, match=SECOND_DERIVATIVE_REFUSED):
         torch.autograd.grad(out.sum() + gq.square().sum(), v)
 
 
@@ -95,7 +99,7 @@ def test_a_second_derivative_through_the_incoming_gradient_raises_too(device):
     q, k, v = _qkv(requires_grad=True, device=device)
     w = torch.randn_like(q).requires_grad_()
     dq, = torch.autograd.grad(((autoflash.attention(q, k, v) + q) * w).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="not twice differentiable"):
+    with pytest.raises(RuntimeError, match=SECOND_DERIVATIVE_REFUSED):
         torch.autograd.grad(dq.square().sum(), w)
 
 

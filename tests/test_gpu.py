@@ -78,11 +78,11 @@ def test_default_uses_tma_on_hopper_for_contiguous_inputs():
         pytest.skip("TMA needs compute capability 9")
     untuned = Dispatcher(winner_paths=[])  # the built-in default alone, whatever the shipped DBs hold
     q = torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
-    module = untuned.kernel_for(q, q, q, torch.empty_like(q), causal=False)
+    module = untuned.kernel_for(q, q, q, torch.empty_like(q), causal=False, own_only=True)  # (not SDPA's)
     assert module.variant["LOADS"] == "tma"
     base = torch.randn(q.numel() + 1, device="cuda", dtype=torch.bfloat16)
     odd = base[1:].view(q.shape)  # base address 2 bytes off a 16-byte boundary -> pointer loads
-    assert untuned.kernel_for(odd, odd, odd, torch.empty_like(odd), causal=False).variant["LOADS"] != "tma"
+    assert untuned.kernel_for(odd, odd, odd, torch.empty_like(odd), causal=False, own_only=True).variant["LOADS"] != "tma"
 
 
 DEFAULTS = [(op, d, c) for op in ("fwd", "bwd") for d in (64, 128, 256) for c in (False, True)]
@@ -180,7 +180,12 @@ def test_torch_compile_fullgraph_on_gpu(monkeypatch):
         return torch.nn.functional.gelu(autoflash.attention(q, k, v, is_causal=True, enable_gqa=True))
 
     out = torch.compile(block, fullgraph=True)(q, k, v)
-    torch.testing.assert_close(out, block(q, k, v))
+    # compiled and eager calls may be served by different kernels (bf16 roundings differ): each is
+    # held against float64 instead of against the other
+    ref, _ = reference(q.detach(), k, v, True, 0, 128 ** -0.5)
+    ref = torch.nn.functional.gelu(ref.double())
+    eager_error = rel_error(block(q, k, v), ref)
+    assert rel_error(out, ref) <= 2 * eager_error + 1e-3, (rel_error(out, ref), eager_error)
     out.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
@@ -219,7 +224,8 @@ def test_repeated_calls_launch_directly_and_stay_correct(b, h, n, d, causal, lay
         out = autoflash.attention(q, k, v, is_causal=causal)
         ref, _ = reference(q, k, v, causal, 0, d ** -0.5)
         assert rel_error(out, ref) <= 2e-2
-    launch = next(p for s, p in api.inference_plans.items() if s[0] == q.shape and s[3] == q.stride())
+    # (the memo's key holds the strides of the kernel's views: those of size-one dims may differ from q's)
+    launch = next(p for s, p in api.inference_plans.items() if s[0] == q.shape and s[6] == q.dtype)
     assert launch.launches_directly  # really the direct launcher, not the module's launch
 
 

@@ -109,9 +109,28 @@ def _say_served(bench_mod, rows, shape_list, device, op):
         row.served = bench_mod.served_by(disp, shape, device, op)
 
 
-def _decode(device, rounds, interpret, md_path, json_path):
+def _save_rows(device, title, head, lines, rows, md_path, json_path):
+    """Print the table; write its lines as Markdown and the rows (with the device and versions) as JSON."""
     import json
 
+    table = Table(title=title)
+    for col in head:
+        table.add_column(col)
+    for line in lines:
+        table.add_row(*line)
+    console.print(table)
+    if md_path:
+        with click.open_file(md_path, "w") as f:  # ("-": standard output)
+            f.write("\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                              + ["| " + " | ".join(line) + " |" for line in lines]) + "\n")
+    if json_path:
+        meta = {"gpu": device.name, "torch": device.torch_version, "triton": device.triton_version}
+        with click.open_file(json_path, "w") as f:  # ("-": standard output)
+            json.dump([{**r, **meta} for r in rows], f, indent=1)
+        console.print(f"rows saved to {json_path}")
+
+
+def _decode(device, rounds, interpret, md_path, json_path):
     from autoflash import bench_decode
 
     cases = bench_decode.INTERPRETER_CASES if interpret else bench_decode.GPU_CASES
@@ -131,21 +150,23 @@ def _decode(device, rounds, interpret, md_path, json_path):
                       f"{r['tb_s']:.2f}" if r["tb_s"] else "-",
                       f"{r['tb_s'] / base:.2f}" if r["tb_s"] and base else "-",
                       f"{r['err']:.1e}" if r["err"] is not None else "-", r["note"]])
-    t = Table(title=title)
-    for col in head:
-        t.add_column(col)
-    for line in lines:
-        t.add_row(*line)
-    console.print(t)
-    if md_path:
-        with click.open_file(md_path, "w") as f:  # ("-": standard output)
-            f.write("\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                              + ["| " + " | ".join(line) + " |" for line in lines]) + "\n")
-    if json_path:
-        meta = {"gpu": device.name, "torch": device.torch_version, "triton": device.triton_version}
-        with click.open_file(json_path, "w") as f:  # ("-": standard output)
-            json.dump([{**r, **meta} for r in rows], f, indent=1)
-        console.print(f"rows saved to {json_path}")
+    _save_rows(device, title, head, lines, rows, md_path, json_path)
+
+
+def _variants(device, rounds, fwdbwd, interpret, md_path, json_path):
+    from autoflash import bench_variants
+
+    cases = bench_variants.INTERPRETER_CASES if interpret else bench_variants.GPU_CASES
+    with console.status("benchmarking attention variants") as status:
+        rows = bench_variants.run_variants(cases, fwdbwd=fwdbwd, rounds=rounds, device="cpu" if interpret else "cuda",
+                                           progress=lambda label: status.update(f"benchmarking {label}"))
+    metric = "fwdbwd_tflops" if fwdbwd else "fwd_tflops"
+    title = (f"attention variants, {'forward+backward' if fwdbwd else 'forward'} TFLOP/s of the visible (query, key) "
+             f"pairs, on {device.name}, torch {device.torch_version}, triton {device.triton_version}")
+    if interpret:
+        title += " (interpreter wall clock: not GPU performance)"
+    head, lines = bench_variants.table(rows, metric)
+    _save_rows(device, title, head, lines, rows, md_path, json_path)
 
 
 def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path, plot_path, json_path):
@@ -217,10 +238,18 @@ def _check_template(ctx, param, value):
 @click.option("--compile-jobs", type=click.IntRange(min=0), default=None,
               help="Processes that compile the kernels ahead of the timings (0 or 1: none; default: half "
                    "the CPUs, at most 8). Timings are the same either way; a large shape set starts sooner.")
+@click.option("--variants", is_flag=True,
+              help="Attention variants (sliding window 4096 at 32k tokens, softcap 50 at d256 8k, 8 ragged causal "
+                   "documents in 16k; --shapes is not read): autoflash vs torch SDPA given the equivalent boolean "
+                   "mask (skipped where the mask does not fit in memory; the softcap: torch's eager attention), "
+                   "compiled FlexAttention with a block mask (max-autotune off and on), and for documents the varlen "
+                   "kernel on the same packing; forward, or with --fwdbwd forward+backward. Every method's output "
+                   "(and gradients) is checked against a reference first. FLOPs count only the visible (query, key) "
+                   "pairs, the same for every method: 4 x head_dim x heads x pairs, 3.5x for forward+backward.")
 @click.option("--interpret", is_flag=True,
               help="Tiny shapes in Triton's CPU interpreter: checks the bench pipeline; timings are not GPU performance.")
 def bench(shapes, seed, rounds, plot_path, md_path, json_path, fwdbwd, memory, overhead, llama, generate, op,
-          baseline_template, compile_jobs, interpret):
+          baseline_template, compile_jobs, variants, interpret):
     """autoflash (dispatched, and the untuned default) vs torch SDPA (cuDNN, flash), TFLOP/s.
 
     All methods are timed in this one process, interleaved, median of device-time medians.
@@ -228,12 +257,14 @@ def bench(shapes, seed, rounds, plot_path, md_path, json_path, fwdbwd, memory, o
     Example: autoflash bench --shapes standard --plot bench.png --json bench.json
     Example: autoflash bench --shapes random:64 --seed 1 --fwdbwd --json random.json
     Example: git show HEAD~1:autoflash/families/triton_fwd/kernel.py.jinja > old.jinja && autoflash bench --baseline-template old.jinja
+    Example: autoflash bench --variants --fwdbwd --json variants-fwdbwd.json
     """
     if interpret:
         use_interpreter()
         shapes = "tiny" if shapes == "standard" else shapes
-        if fwdbwd or overhead or llama or generate:
-            raise click.ClickException("--fwdbwd, --overhead, --llama and --generate need a CUDA GPU")
+        if (fwdbwd and not variants) or overhead or llama or generate:
+            raise click.ClickException("--fwdbwd (but with --variants), --overhead, --llama and --generate need a "
+                                       "CUDA GPU")
     else:
         require_gpu("autoflash bench", " Use --interpret to check the pipeline on tiny shapes on the CPU.")
     from autoflash import bench as bench_mod
@@ -248,6 +279,8 @@ def bench(shapes, seed, rounds, plot_path, md_path, json_path, fwdbwd, memory, o
         _llama(device, rounds)
     elif generate:
         _generate(device, rounds)
+    elif variants:
+        _variants(device, rounds, fwdbwd, interpret, md_path, json_path)
     elif op == "decode":
         _decode(device, rounds, interpret, md_path, json_path)
     elif fwdbwd:

@@ -1,0 +1,90 @@
+"""`autoflash bench --variants` on the CPU (the Triton interpreter, tiny cases): every method of every
+case has its row, agreed with the reference before it was timed, and FLOPs count the visible pairs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from autoflash import bench_variants
+from autoflash.bench_variants import ERR_LIMIT, INTERPRETER_CASES, VariantCase
+from autoflash.cli import cli
+
+# case variant -> the methods the interpreter runs (FlexAttention uncompiled: no max-autotune there)
+METHODS = {"window": {"autoflash", "sdpa-mask", "flex"}, "softcap": {"autoflash", "torch-eager", "flex"},
+           "documents": {"autoflash", "autoflash-varlen", "sdpa-mask", "flex"}}
+
+
+def run(*args):
+    return CliRunner().invoke(cli, ["bench", "--variants", "--interpret", "--rounds", "1", *args],
+                              catch_exceptions=False)
+
+
+def rows_by_case(rows):
+    cases = {}
+    for r in rows:
+        cases.setdefault(r["variant"], {})[r["impl"]] = r
+    return cases
+
+
+@pytest.mark.interpreter
+def test_the_forward_rows_are_there_and_every_method_agreed_before_timing(tmp_path):
+    out = tmp_path / "variants.json"
+    r = run("--json", str(out))
+    assert r.exit_code == 0, r.output
+    cases = rows_by_case(json.loads(out.read_text()))
+    assert {v: set(m) for v, m in cases.items()} == METHODS
+    for variant, methods in cases.items():
+        for impl, row in methods.items():
+            assert row["note"] == "" and row["err"] <= ERR_LIMIT, (variant, impl, row)
+            assert row["fwd_tflops"] > 0 and row["ms"] > 0
+            assert {"seqlen", "heads_q", "heads_kv", "head_dim", "dtype", "visible_pairs", "gpu", "triton"} <= set(row)
+    assert cases["documents"]["flex"]["compiled"] is False  # (the interpreter runs FlexAttention eagerly)
+
+
+@pytest.mark.interpreter
+def test_forward_and_backward_rows_check_gradients_and_say_why_flex_is_not_run(tmp_path):
+    out = tmp_path / "variants.json"
+    r = run("--fwdbwd", "--json", str(out))
+    assert r.exit_code == 0, r.output
+    cases = rows_by_case(json.loads(out.read_text()))
+    for variant, methods in cases.items():
+        assert set(methods) == METHODS[variant]
+        for impl, row in methods.items():
+            if impl == "flex":
+                assert row["fwdbwd_tflops"] is None and "no backward on the CPU" in row["note"]
+            else:
+                assert row["note"] == "" and row["err"] <= ERR_LIMIT and row["fwdbwd_tflops"] > 0, (variant, impl)
+
+
+@pytest.mark.interpreter
+def test_a_method_that_ignores_the_documents_is_reported_wrong_and_not_timed(monkeypatch):
+    import autoflash
+
+    def no_documents(q, k, v, documents, causal=True):  # plain causal attention over the whole row
+        return autoflash.flash_attn_func(q, k, v, causal=causal)
+
+    monkeypatch.setattr(autoflash, "document_attention", no_documents)
+    case = next(c for c in INTERPRETER_CASES if c.variant == "documents")
+    rows = {r["impl"]: r for r in bench_variants.run_variants([case], rounds=1, device="cpu")}
+    assert rows["autoflash"]["note"].startswith("wrong") and rows["autoflash"]["ms"] is None
+    assert rows["autoflash"]["fwd_tflops"] is None and rows["autoflash"]["err"] > ERR_LIMIT
+    assert rows["autoflash-varlen"]["note"] == "" and rows["autoflash-varlen"]["ms"] > 0
+
+
+@pytest.mark.parametrize("case", [*INTERPRETER_CASES, *bench_variants.GPU_CASES[2:],
+                                  VariantCase("window", 2, 50, 2, 1, 16, "float32", window=64),
+                                  VariantCase("window", 1, 50, 2, 1, 16, "float32", window=1),
+                                  VariantCase("documents", 1, 9, 2, 1, 16, "float32", documents=9)])
+def test_flops_count_exactly_the_pairs_the_mask_lets_through(case):
+    ids = case.document_ids("cpu") if case.variant == "documents" else None
+    assert case.visible_pairs() == int(case.visible(torch.arange(case.seqlen), ids).sum())
+    assert case.flops(True) == 3.5 * case.flops(False) == 3.5 * 4 * case.head_dim * case.heads_q * case.visible_pairs()
+    if case.variant == "documents":
+        lengths = case.document_lengths()
+        assert len(lengths) == case.documents and sum(lengths) == case.seqlen and min(lengths) >= 1
+        assert len(set(lengths)) > 1 or case.documents == case.seqlen  # ragged
+

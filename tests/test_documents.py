@@ -170,3 +170,24 @@ def test_documents_agree_with_torch_sdpa_given_the_boolean_mask(packing):
     for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         # (absolute too: a one-token document's dq is 0, torch's is rounding noise around it)
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_bf16_documents_on_ragged_lengths_against_float64(causal, strict):
+    """bfloat16 on the GPU (the interpreter cannot see miscompiles): two rows of ragged documents,
+    GQA, forward and gradients within bf16's reach of the float64 dense-mask reference, on the kernels
+    (AUTOFLASH_STRICT: no fallback)."""
+    ids = ids_of([(1, 37, 113, 1023, 4111), (4111, 1174)]).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, ids.shape[1], 8, 128, generator=g, device="cuda").bfloat16().requires_grad_()
+    k, v = (torch.randn(2, ids.shape[1], 2, 128, generator=g, device="cuda").bfloat16().requires_grad_()
+            for _ in range(2))
+    grad = torch.randn(q.shape, generator=g, device="cuda").bfloat16()
+    out = autoflash.document_attention(q, k, v, ids, causal=causal)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref = masked_reference(q, k, v, dense_mask(ids.cpu(), causal).cuda(), 128 ** -0.5)
+    want = torch.autograd.grad(ref, (q, k, v), grad.double())
+    assert rel_error(out.detach(), ref.detach()) <= 2e-2
+    for mine, theirs in zip(got, want):
+        assert rel_error(mine, theirs) <= 2e-2

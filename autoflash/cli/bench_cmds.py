@@ -239,9 +239,9 @@ def _check_template(ctx, param, value):
               help="Processes that compile the kernels ahead of the timings (0 or 1: none; default: half "
                    "the CPUs, at most 8). Timings are the same either way; a large shape set starts sooner.")
 @click.option("--variants", is_flag=True,
-              help="Attention variants (sliding window 4096 at 32k tokens, softcap 50 at d256 8k, 8 ragged causal "
-                   "documents in 16k; --shapes is not read): autoflash vs torch SDPA given the equivalent boolean "
-                   "mask (skipped where the mask does not fit in memory; the softcap: torch's eager attention), "
+              help="Attention variants (sliding window 4096 at 16k/32k/64k tokens, softcap 50 at d256 8k, 8 ragged "
+                   "causal documents in 16k; --shapes is not read): autoflash vs torch SDPA given the equivalent "
+                   "boolean mask (skipped where the mask does not fit in memory; the softcap: torch's eager attention), "
                    "compiled FlexAttention with a block mask (max-autotune off and on), and for documents the varlen "
                    "kernel on the same packing; forward, or with --fwdbwd forward+backward. Every method's output "
                    "(and gradients) is checked against a reference first. FLOPs count only the visible (query, key) "

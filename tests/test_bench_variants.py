@@ -91,3 +91,19 @@ def test_flops_count_exactly_the_pairs_the_mask_lets_through(case):
         assert len(lengths) == case.documents and sum(lengths) == case.seqlen and min(lengths) >= 1
         assert len(set(lengths)) > 1 or case.documents == case.seqlen  # ragged
 
+
+
+@pytest.mark.interpreter
+def test_a_sample_of_rows_checks_gradients_as_on_the_gpu(monkeypatch):
+    """On the GPU the reference covers sampled query rows only (the output's gradient is zero elsewhere,
+    so dK and dV come from those rows alone): the right methods still agree, a wrong one does not."""
+    import autoflash
+
+    case = next(c for c in INTERPRETER_CASES if c.variant == "documents")
+    monkeypatch.setattr(bench_variants, "_rows", lambda case, device: torch.tensor([0, 5, 30, 47, 48, 95]))
+    rows = {r["impl"]: r for r in bench_variants.run_variants([case], fwdbwd=True, rounds=1, device="cpu")}
+    assert all(rows[m]["note"] == "" and rows[m]["err"] <= 1e-5 for m in ("autoflash", "autoflash-varlen", "sdpa-mask"))
+    monkeypatch.setattr(autoflash, "document_attention",
+                        lambda q, k, v, documents, causal=True: autoflash.flash_attn_func(q, k, v, causal=causal))
+    rows = {r["impl"]: r for r in bench_variants.run_variants([case], fwdbwd=True, rounds=1, device="cpu")}
+    assert rows["autoflash"]["note"].startswith("wrong")

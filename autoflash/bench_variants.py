@@ -28,13 +28,17 @@ not timed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import statistics
 
 import torch
 
-# A wrong mask or a missing softcap errs by 1e-1 and more; bf16 rounding (torch-eager's bf16 scores, a
-# backward's) by up to ~1e-2: the limit tells the two apart without failing a baseline on rounding.
+# A wrong mask (a document boundary one token off: ~0.6) or a missing softcap (the softcap cases' inputs
+# make it ~0.15) errs by 1e-1 and more; bf16 rounding (torch-eager's bf16 scores, a backward's) by up to
+# ~3e-2: the limit tells the two apart without failing a baseline on rounding. A window one key too wide
+# or narrow at 4096 errs by ~2e-3 on this norm: out of this check's reach (the kernels' own tests hold it).
 ERR_LIMIT = 5e-2
 SAMPLED_ROWS = 96  # query rows of the GPU reference (plus each document's first and last)
 
@@ -52,23 +56,31 @@ class VariantCase:
     softcap: float = 0.0
     documents: int = 0  # ragged documents per row (causal inside each)
 
+    def query_scale(self) -> float:
+        """q's multiplier: scores of unit spread barely feel a cap of 50 (dropping it errs by ~1e-3, under
+        any check's reach); spread cap / 4 makes a missing softcap err by ~0.15 while bf16 rounding of
+        torch's eager scores stays near 0.03."""
+        return max(1.0, self.softcap / 4) if self.variant == "softcap" else 1.0
+
     def label(self) -> str:
         extra = {"window": f"window {self.window}", "softcap": f"softcap {self.softcap:g}",
                  "documents": f"{self.documents} docs"}[self.variant]
         return (f"{self.variant}: {extra}, {self.dtype} B{self.batch} N{self.seqlen} "
                 f"H{self.heads_q}/{self.heads_kv} d{self.head_dim}")
 
-    def document_lengths(self) -> list[int]:
-        """Ragged lengths summing to seqlen, the same every run (a seeded draw of the cut points)."""
-        g = torch.Generator().manual_seed(self.documents * 1000 + self.seqlen)
+    def document_lengths(self, row: int = 0) -> list[int]:
+        """Ragged lengths summing to seqlen, the same every run (a seeded draw of the cut points per row)."""
+        g = torch.Generator().manual_seed(self.documents * 1000 + self.seqlen + 7919 * row)
         cuts = (torch.randperm(self.seqlen - 1, generator=g)[:self.documents - 1] + 1).sort().values.tolist()
         bounds = [0, *cuts, self.seqlen]
         return [b - a for a, b in zip(bounds, bounds[1:])]
 
     def document_ids(self, device) -> torch.Tensor:
-        """(batch, seqlen) ids: every row packed alike."""
-        row = torch.cat([torch.full((n,), i) for i, n in enumerate(self.document_lengths())])
-        return row.expand(self.batch, -1).contiguous().to(device)
+        """(batch, seqlen) ids, each row packed differently (a method that applied one row's documents to
+        every row would fail the check)."""
+        rows = [torch.cat([torch.full((n,), i) for i, n in enumerate(self.document_lengths(r))])
+                for r in range(self.batch)]
+        return torch.stack(rows).to(device)
 
     def visible(self, rows: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
         """(batch, len(rows), seqlen) bool: query row i sees key j."""
@@ -87,7 +99,7 @@ class VariantCase:
             w = min(self.window, n)
             per_row = w * (w + 1) // 2 + (n - w) * w
         elif self.variant == "documents":
-            per_row = sum(m * (m + 1) // 2 for m in self.document_lengths())
+            return sum(m * (m + 1) // 2 for r in range(self.batch) for m in self.document_lengths(r))
         else:
             per_row = n * (n + 1) // 2
         return self.batch * per_row
@@ -117,7 +129,7 @@ def _inputs(case: VariantCase, device, fwdbwd: bool) -> dict:
     FlexAttention's), 'bhnd-x' (K/V heads repeated to the query heads)."""
     g = torch.Generator(device=device).manual_seed(0)
     b, n, hq, hk, d = case.batch, case.seqlen, case.heads_q, case.heads_kv, case.head_dim
-    q = torch.randn(b, n, hq, d, generator=g, device=device).to(case.torch_dtype)
+    q = (torch.randn(b, n, hq, d, generator=g, device=device) * case.query_scale()).to(case.torch_dtype)
     k, v = (torch.randn(b, n, hk, d, generator=g, device=device).to(case.torch_dtype) for _ in range(2))
     heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
     group = hq // hk
@@ -134,10 +146,11 @@ def _rows(case: VariantCase, device) -> torch.Tensor:
         return torch.arange(n, device=device)
     picked = set(torch.linspace(0, n - 1, SAMPLED_ROWS).round().long().tolist())
     if case.variant == "documents":
-        ends = torch.tensor(case.document_lengths()).cumsum(0).tolist()
-        picked |= {e - 1 for e in ends} | {e for e in ends[:-1]}
+        for r in range(case.batch):
+            ends = torch.tensor(case.document_lengths(r)).cumsum(0).tolist()
+            picked |= {e - 1 for e in ends} | {e for e in ends[:-1]}
     if case.variant == "window":
-        picked |= {case.window - 1, case.window, min(n - 1, case.window + 1)}
+        picked |= {min(n - 1, case.window + edge) for edge in (-1, 0, 1)}
     return torch.tensor(sorted(picked), device=device)
 
 
@@ -192,6 +205,22 @@ def _from_bnhd(x, layout: str):
     return x if layout == "bnhd" else x.transpose(1, 2).contiguous()
 
 
+@contextlib.contextmanager
+def _strict(on: bool):
+    """AUTOFLASH_STRICT=1 while autoflash's methods are checked: a call the kernels do not serve raises
+    `FallbackError` (the row says so) instead of timing torch's fallback under autoflash's name."""
+    before = os.environ.get("AUTOFLASH_STRICT")
+    if on:
+        os.environ["AUTOFLASH_STRICT"] = "1"
+    try:
+        yield
+    finally:
+        if on and before is None:
+            del os.environ["AUTOFLASH_STRICT"]
+        elif on:
+            os.environ["AUTOFLASH_STRICT"] = before
+
+
 def _timed_fn(layout, call, t, grad, fwdbwd: bool):
     if not fwdbwd:
         return call
@@ -226,7 +255,8 @@ def run_variants(cases, fwdbwd: bool = False, rounds: int = 3, rep_ms: float = 1
                 continue
             layout, call = method
             try:
-                errs[name] = _check(case, layout, call, t, sampled, grad, ref, fwdbwd)
+                with _strict(name.startswith("autoflash")):  # a torch fallback raises: never timed as autoflash
+                    errs[name] = _check(case, layout, call, t, sampled, grad, ref, fwdbwd)
             except Exception as e:  # a backend that refuses the case, or runs out of memory
                 notes[name] = bench_variant_methods.refused(e)
                 if device.type == "cuda":

@@ -75,7 +75,9 @@ class Documents:
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> "Documents":
         """From flash-attn's cu_seqlens over the flattened (batch * seqlen) tokens. A document never
-        crosses a row: each row's end is a document's end whether cu_seqlens lists it or not."""
+        crosses a row: every row end must be one of the offsets (a document spanning two rows is
+        refused: splitting it would answer differently from flash_attn_varlen_func on the same
+        offsets)."""
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
             raise ValueError("cu_seqlens must be an int32 tensor (num_documents + 1,)")
         for name, n in (("batch", batch), ("seqlen", seqlen)):
@@ -86,8 +88,14 @@ class Documents:
         if not values or values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
             raise ValueError(f"cu_seqlens must be non-decreasing offsets from 0 to batch * seqlen = {total}, "
                              f"got {values[:6]}{'...' if len(values) > 6 else ''}")
+        listed = set(values)
+        crossing = [r for r in range(seqlen, total, seqlen) if r not in listed] if seqlen else []
+        if crossing:
+            raise ValueError(f"a document crosses the end of row {crossing[0] // seqlen - 1} (offset {crossing[0]} "
+                             f"is not in cu_seqlens): each row's tokens end a document; for documents spanning "
+                             f"rows use flash_attn_varlen_func on the flattened tokens")
         # (a zero-length document is no document: equal offsets collapse)
-        offsets = sorted({*values, *range(0, total + 1, seqlen)}) if seqlen else [0]
+        offsets = sorted(listed) if seqlen else [0]
         device = cu_seqlens.device
         rows = torch.tensor([a // seqlen for a in offsets[:-1]], device=device, dtype=torch.int64)
         return cls(torch.tensor(offsets, device=device, dtype=torch.int32), tuple(offsets), rows, batch, seqlen)

@@ -107,3 +107,33 @@ def test_a_sample_of_rows_checks_gradients_as_on_the_gpu(monkeypatch):
                         lambda q, k, v, documents, causal=True: autoflash.flash_attn_func(q, k, v, causal=causal))
     rows = {r["impl"]: r for r in bench_variants.run_variants([case], fwdbwd=True, rounds=1, device="cpu")}
     assert rows["autoflash"]["note"].startswith("wrong")
+
+
+def test_the_softcap_cases_inputs_make_a_missing_softcap_fail_the_check():
+    """Scores of unit spread barely feel a cap of 50: the inputs spread them so that dropping the
+    softcap errs far above the limit (the GPU case's sizes, shorter)."""
+    case = VariantCase("softcap", 1, 512, 2, 1, 256, "float32", softcap=50.0)
+    t = bench_variants._inputs(case, torch.device("cpu"), False)
+    rows = torch.arange(case.seqlen)
+    capped, _ = bench_variants._reference(case, t, None, rows, None, False)
+    uncapped, _ = bench_variants._reference(VariantCase("softcap", 1, 512, 2, 1, 256, "float32"), t, None, rows,
+                                            None, False)
+    assert bench_variants._rel(uncapped, capped) > 2 * ERR_LIMIT
+
+
+def test_each_row_of_the_documents_case_is_packed_differently():
+    ids = VariantCase("documents", 3, 96, 2, 1, 16, "float32", documents=4).document_ids("cpu")
+    assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids[1], ids[2])
+
+
+@pytest.mark.interpreter
+def test_an_autoflash_method_that_falls_back_to_torch_is_not_timed_under_its_name(monkeypatch):
+    from autoflash import api, variant_forward
+
+    monkeypatch.setattr(variant_forward, "unsupported", lambda *args, **kwargs: "a reason the kernels refuse")
+    api.reset()
+    rows = bench_variants.run_variants(INTERPRETER_CASES[:1], rounds=1, rep_ms=1, device="cpu")
+    api.reset()
+    row = next(r for r in rows if r["impl"] == "autoflash")
+    assert row["ms"] is None and "FallbackError" in row["note"], row
+    assert next(r for r in rows if r["impl"] == "sdpa-mask")["ms"] > 0  # (the others still timed)

@@ -66,9 +66,16 @@ def test_ids_become_offsets_with_each_row_end_a_document_end():
     assert docs.rows.tolist() == [0, 0, 0, 1, 2, 2, 2, 2] and docs.max_seqlen == 6
 
 
-def test_cu_seqlens_gain_the_row_ends_and_lose_empty_documents():
-    docs = Documents.from_cu_seqlens(torch.tensor([0, 3, 3, 9, 10], dtype=torch.int32), 2, 5)
+def test_cu_seqlens_lose_empty_documents():
+    docs = Documents.from_cu_seqlens(torch.tensor([0, 3, 3, 5, 9, 10], dtype=torch.int32), 2, 5)
     assert docs.offsets == (0, 3, 5, 9, 10) and docs.rows.tolist() == [0, 0, 1, 1]
+
+
+def test_cu_seqlens_with_a_document_across_rows_are_refused():
+    """flash_attn_varlen_func on the same offsets attends across the row end; splitting the document
+    there would give another answer without a word."""
+    with pytest.raises(ValueError, match="crosses the end of row 0"):
+        Documents.from_cu_seqlens(torch.tensor([0, 3, 9, 10], dtype=torch.int32), 2, 5)
 
 
 @pytest.mark.parametrize("bad", [torch.tensor([[0, 0, 1, 0]]), torch.zeros(4, dtype=torch.int64),

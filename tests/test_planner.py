@@ -305,13 +305,13 @@ def test_a_planned_run_with_a_compile_pool_asks_ahead_and_loses_nothing(tmp_path
     def with_a_pool(self, *args, **kwargs):
         original(self, *args, **kwargs)
         self.compilers = sandbox.WorkerPool(2, "cpu", {"TRITON_INTERPRET": "1"})
-        map_async = self.compilers.map_async
+        submit_each = self.compilers.submit_each
 
         def recorded(fn, args_list, timeout_s):
             sent.extend(a[:3] for a in args_list)
-            return map_async(fn, args_list, timeout_s)
+            return submit_each(fn, args_list, timeout_s)
 
-        self.compilers.map_async = recorded
+        self.compilers.submit_each = recorded
         self.compiles = Compiles(self.compilers, None, self.opt.rep_ms, "cpu", self.opt.trial_timeout_s)
 
     monkeypatch.setattr(SharedTuner, "__init__", with_a_pool)

@@ -26,9 +26,12 @@ GLUON = Family(compile_s=27.0, measure_s=1.0, seeds=2, own_ms=1.1)
 
 class Sim:
     def __init__(self, problems: int, families: dict, workers: int = 12, vendor_s: float = 3.0,
-                 pick_s: float = 2.0, own_scale=None):
+                 pick_s: float = 2.0, own_scale=None, ops=None, bwd_costs=(None, None)):
         self.t = 0.0
         self.families, self.vendor_s, self.pick_s = families, vendor_s, pick_s
+        self.ops = ops or ["fwd"] * problems
+        # (vendor s, pick s) of a backward problem, where they differ from a forward one's
+        self.bwd_vendor_s, self.bwd_pick_s = bwd_costs[0] or vendor_s, bwd_costs[1] or pick_s
         self.free = [0.0] * workers
         self.ready: dict = {}
         self.measured = {(i, f): 0 for i in range(problems) for f in families}
@@ -40,7 +43,7 @@ class Sim:
         return self.t
 
     def plans(self) -> list[ProblemPlan]:
-        return [ProblemPlan(f"p{i}", [Arm(f, fam.cap, fam.seeds) for f, fam in self.families.items()])
+        return [ProblemPlan(f"p{i}", [Arm(f, fam.cap, fam.seeds) for f, fam in self.families.items()], op=self.ops[i])
                 for i in range(len(self.own_scale))]
 
     def compile(self, i: int, family: str, n: int, after: int = 0) -> None:
@@ -65,11 +68,11 @@ class Sim:
         while (step := planner.next_step()) is not None:
             i = step.problem
             if step.kind == "vendor":
-                self.t += self.vendor_s
+                self.t += self.bwd_vendor_s if self.ops[i] == "bwd" else self.vendor_s
                 self.vendor.add(i)
                 planner.done(step, vendor_ms=1.0)
             elif step.kind == "pick":
-                self.t += self.pick_s
+                self.t += self.bwd_pick_s if self.ops[i] == "bwd" else self.pick_s
                 self.picked.add(i)
                 planner.done(step, served="own")
             else:
@@ -140,6 +143,20 @@ def test_a_larger_budget_is_used_and_ends_on_time():
     assert 0.85 * budget <= sim.t <= budget, sim.t
     measured = [sum(sim.measured[(i, f)] for f in families) for i in range(11)]
     assert min(measured) >= 2 and sum(measured) >= 60, measured
+
+
+def test_backward_problems_picks_are_not_costed_by_a_forward_one():
+    """The H100's 22 problems (issue 44): a backward problem's vendor pass takes ~3.7x a forward
+    one's and its pick ~2.5x. The first pick (a forward one) said nothing of the backward picks:
+    the rounds are stopped in time for them and the run ends within its budget."""
+    families = {"triton": TRITON, "gluon": GLUON}
+    sim = Sim(problems=22, families=families, vendor_s=2.6, pick_s=2.2, ops=["fwd"] * 11 + ["bwd"] * 11,
+              bwd_costs=(9.7, 5.5))
+    budget = 300.0
+    planner = plan(sim, budget, pick_s=4.6)
+    sim.run(planner)
+    assert sim.picked == set(range(22)) and sim.t <= budget, sim.t
+    assert all(sum(sim.measured[(i, f)] for f in families) >= 1 for i in range(22))
 
 
 def test_rounds_go_where_an_own_gain_would_serve():
@@ -213,7 +230,9 @@ def test_costs_learn_from_measurements():
     costs.observe("per_s", 4.0, "triton")
     assert costs.per("triton") == 3.0
     costs.observe("pick_s", 10.0)
-    assert costs.pick_s == 10.0
+    assert costs.pick("fwd") == 10.0 and costs.pick("bwd") == costs.pick_s * costs.op_scale["pick_s"]["bwd"]
+    costs.observe("pick_s", 20.0, op="bwd")  # (one op's picks say nothing of another's)
+    assert costs.pick("bwd") == 20.0 and costs.pick("fwd") == 10.0
     costs.observe("wait_s", None, "triton")  # (a step that measured nothing says nothing)
     assert costs.wait("triton") == costs.prior_wait_s
 

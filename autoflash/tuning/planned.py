@@ -34,11 +34,12 @@ COMPILE_PRIORS_S = {"gluon_sm90_fwd": 27.0}
 
 def costs_for(options: TuneOptions) -> Costs:
     """The planner's priors, replaced by the run's own measurements as they come: SDPA backends ~3 s a
-    problem and a candidate ~1.5 s (an H100: 27 forward candidates in 37 s); a pick re-times about
-    top_k + 4 methods for `rounds` rounds, each ~3 rep_ms of wall time (spins, flushes). The
-    interpreter compiles nothing and has no vendor candidates."""
+    forward problem and a candidate ~1.5 s (an H100: 27 forward candidates in 37 s); a forward pick
+    re-times about top_k + 4 methods for `rounds` rounds, each ~3 rep_ms of wall time (spins,
+    flushes); a backward problem's both take longer (`Costs.op_scale`). The interpreter compiles
+    nothing and has no vendor candidates."""
     if options.interpret:
-        return Costs(vendor_s=0.0, pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5)
+        return Costs(vendor_s=0.0, pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5, op_scale={})
     pick_s = 1.0 + (options.top_k + 4) * options.rounds * (3 * options.rep_ms / 1e3 + 0.05)
     return Costs(pick_s=pick_s, prior_waits=dict(COMPILE_PRIORS_S))
 
@@ -46,7 +47,8 @@ def costs_for(options: TuneOptions) -> Costs:
 def plan_of(ps) -> ProblemPlan:
     arms = [Arm(f, ps.caps[f], len(ps.seeds[f]), measured=ps.counted.get(f, 0), best_ms=ps.best_ms([f]))
             for f in ps.own]
-    return ProblemPlan(ps.shape.label(), arms, has_vendor=bool(ps.vendor), vendor_ms=ps.best_ms(ps.vendor))
+    return ProblemPlan(ps.shape.label(), arms, op=ps.problem.op, has_vendor=bool(ps.vendor),
+                       vendor_ms=ps.best_ms(ps.vendor))
 
 
 def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Reporter, start: float,

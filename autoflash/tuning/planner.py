@@ -31,27 +31,38 @@ STALLED = 0.002  # a step that gained less per candidate than this did not impro
 @dataclasses.dataclass
 class Costs:
     """Seconds of each kind of work: priors (an H100, Triton 3.6: a compile batch ~8 s, vendor
-    backends ~3 s a problem), replaced by what the run measures as it goes."""
+    backends ~3 s a forward problem), replaced by what the run measures as it goes."""
 
-    vendor_s: float = 3.0  # every vendor candidate of one problem
-    pick_s: float = 4.0  # one problem's final re-measure
+    vendor_s: float = 3.0  # every vendor candidate of one forward problem
+    pick_s: float = 4.0  # one forward problem's final re-measure
+    # A backward problem's vendor pass and pick time a forward and a backward pass, five vendor pairs
+    # instead of three backends (an H100, 22 problems: vendor 2.6 s a forward problem, 9.7 s a
+    # backward one; picks 2.2 s and 5.5 s): one op's durations say little about another's, and a
+    # cheap forward pick that stood for the backward ones overran the budget by their difference.
+    op_scale: dict = dataclasses.field(default_factory=lambda: {"vendor_s": {"bwd": 3.5}, "pick_s": {"bwd": 2.5}})
+    seen: dict = dataclasses.field(default_factory=dict)  # (kind, op) -> measured seconds
     wait_s: dict = dataclasses.field(default_factory=dict)  # family -> wait for a step's first compiled batch
     per_s: dict = dataclasses.field(default_factory=dict)  # family -> seconds per candidate after it
     prior_wait_s: float = 8.0
     prior_per_s: float = 1.5
     prior_waits: dict = dataclasses.field(default_factory=dict)  # family -> its own prior wait
 
-    def observe(self, kind: str, seconds: float, family: str | None = None) -> None:
-        """A measured duration: the first replaces the prior, later ones are averaged in."""
+    def observe(self, kind: str, seconds: float, family: str | None = None, op: str = "fwd") -> None:
+        """A measured duration: the first replaces the prior, later ones are averaged in. vendor_s
+        and pick_s are per op, wait_s and per_s per family."""
         if seconds is None or not math.isfinite(seconds) or seconds < 0:
             return
-        if kind in ("wait_s", "per_s"):
-            table = getattr(self, kind)
-            table[family] = seconds if family not in table else 0.5 * (table[family] + seconds)
-        else:
-            seen = f"_{kind}_seen"
-            setattr(self, kind, seconds if not getattr(self, seen, False) else 0.5 * (getattr(self, kind) + seconds))
-            setattr(self, seen, True)
+        table, key = (getattr(self, kind), family) if kind in ("wait_s", "per_s") else (self.seen, (kind, op))
+        table[key] = seconds if key not in table else 0.5 * (table[key] + seconds)
+
+    def vendor(self, op: str = "fwd") -> float:
+        return self._per_op("vendor_s", op)
+
+    def pick(self, op: str = "fwd") -> float:
+        return self._per_op("pick_s", op)
+
+    def _per_op(self, kind: str, op: str) -> float:
+        return self.seen.get((kind, op), getattr(self, kind) * self.op_scale.get(kind, {}).get(op, 1.0))
 
     def wait(self, family: str) -> float:
         return self.wait_s.get(family, self.prior_waits.get(family, self.prior_wait_s))
@@ -82,6 +93,7 @@ class Arm:
 class ProblemPlan:
     label: str
     arms: list
+    op: str = "fwd"
     has_vendor: bool = True
     vendor_ms: float = math.inf
     stage: str = "waiting"  # waiting | vendor only | seeded | searched | picked
@@ -140,7 +152,7 @@ class Planner:
         return math.inf if self.end is None else self.end - self.clock()
 
     def vendor_left_s(self) -> float:
-        return sum(self.costs.vendor_s for p in self.problems if p.has_vendor and not p.vendor_done)
+        return sum(self.costs.vendor(p.op) for p in self.problems if p.has_vendor and not p.vendor_done)
 
     def reserve_s(self) -> float:
         """Time kept back for what every problem must still get: its vendor pass, one seed (the
@@ -148,7 +160,7 @@ class Planner:
         overrun by them, never by anything else."""
         seeds = sum(min((self.costs.per(a.family) for a in p.arms if a.open()), default=0.0)
                     for p in self.problems if not p.seeded)
-        return self.vendor_left_s() + seeds + sum(self.costs.pick_s for p in self.problems if not p.picked)
+        return self.vendor_left_s() + seeds + sum(self.costs.pick(p.op) for p in self.problems if not p.picked)
 
     def step_s(self, arm: Arm, n: int, at: float | None = None) -> float:
         """Expected seconds of n candidates of an arm in a step starting at `at` (default now): the
@@ -310,12 +322,12 @@ class Planner:
         now = self.clock()
         p = self.problems[step.problem]
         if step.kind == "vendor":
-            self.costs.observe("vendor_s", now - self._t0)
+            self.costs.observe("vendor_s", now - self._t0, op=p.op)
             p.vendor_done = True
             p.vendor_ms = vendor_ms if vendor_ms is not None else p.vendor_ms
             p.stage = "vendor only" if p.stage == "waiting" else p.stage
         elif step.kind == "pick":
-            self.costs.observe("pick_s", now - self._t0)
+            self.costs.observe("pick_s", now - self._t0, op=p.op)
             p.picked, p.stage, p.served = True, "picked", served
         else:
             asked = dict(step.counts)
@@ -349,9 +361,9 @@ class Planner:
 
     def eta_s(self) -> float:
         """Seconds until the run is expected to end: the work left, bounded by the budget."""
-        todo = sum(self.costs.vendor_s for p in self.problems if p.has_vendor and not p.vendor_done)
+        todo = self.vendor_left_s()
         todo += sum(self.step_s(a, a.open()) for p in self.problems if not p.picked for a in p.arms)
-        todo += sum(self.costs.pick_s for p in self.problems if not p.picked)
+        todo += sum(self.costs.pick(p.op) for p in self.problems if not p.picked)
         return max(0.0, min(todo, self.left()))
 
     def snapshot(self) -> Snapshot:

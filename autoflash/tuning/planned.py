@@ -81,9 +81,7 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
             planner.done(step, served="" if winner is None else "vendor" if load_space(winner.family).vendor else "own")
             reporter.problem_done(result)
         else:
-            ahead = None
-            if step.kind == "search" or all(p.seeded or p is plans[step.problem] for p in plans):
-                ahead = _compile_ahead(tuner, planner, searches, step)  # (the last seed step: the first round's)
+            ahead = _compile_ahead(tuner, planner, searches, step)  # (from the seed steps on: the rounds')
             reports = tuner.search(ps, step.counts, step.deadline, then=ahead, force=step.kind == "seeds")
             planner.done(step, arms=reports)
         reporter.plan_update(planner.snapshot())
@@ -107,12 +105,16 @@ def _compile_seeds(tuner, planner: Planner, searches: list) -> None:
 
 
 def _compile_ahead(tuner, planner: Planner, searches: list, step):
-    """A callback for the step's search: once its own first batch is compiling, the search expected
-    after it starts compiling its batch too, to be ready when the GPU is."""
+    """A callback for the step's search: once its own first batch is compiling, the searches
+    expected after it start compiling their batches too, the most valuable first, until the pool
+    holds `Planner.horizon_s` of work: ready when the GPU is."""
     def ahead():
-        nxt = planner.peek(step)
-        if nxt is not None and tuner.compilers is not None:
+        if tuner.compilers is None:
+            return
+        tried = set()
+        while planner.backlog_s() < planner.horizon_s() and (nxt := planner.peek(step, tried)) is not None:
             i, family, n = nxt
+            tried.add((i, family))
             asked = tuner.ask_ahead(searches[i], family, n)
             if asked:
                 planner.compiling(i, family, asked)

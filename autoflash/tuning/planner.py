@@ -25,6 +25,7 @@ SEEDS_IN_PASS = 3  # seeds per family in the seed pass; the rest come first in t
 SEED_PASS_SHARE = 0.5  # of the search time left, at most this much goes to the seed pass
 NEAR = 0.15  # own/vendor time ratio over which an own gain stops mattering (it would not serve)
 PRIOR_GAIN = 0.3  # expected relative gain of the next candidate, / (candidates measured + 2)
+AHEAD_BATCHES = 3  # compile batches kept queued ahead of the GPU (`Planner.horizon_s`)
 STALLED = 0.002  # a step that gained less per candidate than this did not improve the search
 
 
@@ -262,16 +263,29 @@ class Planner:
         out.sort(key=lambda x: (-x[0], x[1]))
         return [x[1:] for x in out]
 
-    def peek(self, step: Step) -> tuple | None:
+    def backlog_s(self) -> float:
+        """Seconds the compile pool is expected to need for what it was sent."""
+        return max(0.0, self.pool_free_at - self.clock())
+
+    def horizon_s(self) -> float:
+        """How far ahead the pool is kept busy: AHEAD_BATCHES batches of the slowest family. The
+        pool, not the GPU, is the bottleneck (12 Gluon compiles take ~27 s, their measurement
+        ~12 s): asked one step ahead, a batch started compiling only when the step before it did,
+        and 60 s of a 180-s run on an H100 went to the GPU waiting."""
+        return AHEAD_BATCHES * max((self.costs.wait(a.family) for p in self.problems for a in p.arms), default=0.0)
+
+    def peek(self, step: Step, skip=()) -> tuple | None:
         """(problem, family, n) of the search to compile ahead while `step` measures: the most
-        valuable one not compiling already, as the ranking will stand once the step's candidates
-        are measured (a search that stays best gets its next batch ready too)."""
+        valuable one not compiling already (nor in `skip`: (problem, family) pairs), as the ranking
+        will stand once the step's candidates are measured (a search that stays best gets its next
+        batch ready too)."""
         arms = [(self.problems[step.problem].arm(f), n) for f, n in step.counts]
         saved = [(a.measured, a.ready_at) for a, _ in arms]
         for a, n in arms:
             a.measured = a.measured + n
         try:
-            ranked = [(i, arm, n) for i, arm, n in self._ranked(ready=False) if arm.ready_at is None]
+            ranked = [(i, arm, n) for i, arm, n in self._ranked(ready=False)
+                      if arm.ready_at is None and (i, arm.family) not in skip]
         finally:
             for (a, _), (measured, ready_at) in zip(arms, saved):
                 a.measured, a.ready_at = measured, ready_at

@@ -308,9 +308,13 @@ class WorkerPool:
         # before one compiled ahead for later), and none waits for an earlier batch's slowest compile.
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 
-    def start(self, timeout_s: float) -> None:
-        """Start every worker (torch import, CUDA context) before any budget clock runs."""
-        self.map(ping, [()] * len(self._all), timeout_s)
+    def start(self, timeout_s: float, wait: bool = True) -> list:
+        """Start every worker (torch import, CUDA context); wait=False: in the background, tasks
+        submitted after it queue behind the start (a run's measuring worker starts meanwhile)."""
+        futures = self.submit_each(ping, [()] * len(self._all), timeout_s)
+        if wait:
+            concurrent.futures.wait(futures)
+        return futures
 
     def map_async(self, fn, args_list: list[tuple], timeout_s: float) -> concurrent.futures.Future:
         return self._background.submit(self.map, fn, args_list, timeout_s)

@@ -82,10 +82,12 @@ class Tuner(PickWinner):
         self.journal = make_storage(options.storage, store.path)  # (--storage; default: the journal beside the DB)
         self.total_measured = 0
         # Workers start before the first problem's clock (start-up is not charged to one problem;
-        # `tune` charges it to the run's budget).
-        self.sandbox.call(sandbox.ping, (), options.trial_timeout_s)
+        # `tune` charges it to the run's budget). The compile workers start in the background while
+        # the measuring one does (one after the other, a run's first ~20 s went to start-up); the
+        # first compiles queue behind their start.
         if self.compilers:
-            self.compilers.start(options.trial_timeout_s)
+            self.compilers.start(options.trial_timeout_s, wait=False)
+        self.sandbox.call(sandbox.ping, (), options.trial_timeout_s)
 
     def close(self, status: str, problems: int) -> None:
         stopped = status != "finished"  # Ctrl-C or SIGTERM: the workers are killed, not waited for

@@ -9,13 +9,17 @@ import math
 
 from autoflash.problem import Shape
 from autoflash.space import load_space
+from autoflash.tuning.forecast import Curve, forecast
 from autoflash.tuning.planner import Arm, Costs, Planner, ProblemPlan, Snapshot
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 
 
+PHASE_OF = {"vendor": "vendor", "seeds": "seed", "search": "rounds", "pick": "picks"}  # step kind -> phase
+
+
 @dataclasses.dataclass
 class RunSummary:
-    """What the run did, for the end of its report and `tune --plot`."""
+    """What the run did, for the end of its report, `tune --plot` and `tune --json`."""
 
     elapsed_s: float
     budget_s: float | None
@@ -23,8 +27,25 @@ class RunSummary:
     shapes: list  # per planned problem, its Shape
     histories: list  # per planned problem, [(seconds into the run, best own ms, best vendor ms)]
     extra_s: float  # the larger budget `forecast` is for: this much more time
-    forecast: list  # per planned problem, (label, own ms now, own ms expected, vendor ms)
+    forecast: list  # per planned problem, a forecast.Expected
     compiled: int  # variants sent to the compile pool (each binary once)
+    own_measured: int = 0  # own candidates measured in this run
+    vendor_measured: int = 0  # vendor candidates measured in this run
+    phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds (startup, vendor, seed, rounds, picks)
+    gpu_idle_s: float = 0.0  # seconds the measuring worker waited on compiles
+    problems_with_winner: int = 0
+
+    def per_min(self, n: int) -> float:
+        return n / (self.elapsed_s / 60) if self.elapsed_s > 0 else math.nan
+
+    def as_json(self) -> dict:
+        """`autoflash tune --json`: what the run measured and how fast."""
+        return {"budget_s": self.budget_s, "wall_s": round(self.elapsed_s, 1), "problems": len(self.shapes),
+                "problems_with_winner": self.problems_with_winner, "own_measured": self.own_measured,
+                "own_per_min": round(self.per_min(self.own_measured), 2), "vendor_measured": self.vendor_measured,
+                "vendor_per_min": round(self.per_min(self.vendor_measured), 2),
+                "phases": {k: round(v, 1) for k, v in self.phases.items()}, "gpu_idle_s": round(self.gpu_idle_s, 1),
+                "compiled": self.compiled}
 
 
 # A compile batch's wall time per family where it differs from the default prior (measured on an
@@ -68,7 +89,11 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
     batch = options.compile_workers if tuner.compilers else 1
     planner = Planner(plans, options.budget_s, options.clock, costs_for(options), start=start, batch=batch)
     _compile_seeds(tuner, planner, searches)
+    phases = dict.fromkeys(("startup", "vendor", "seed", "rounds", "picks"), 0.0)
+    phases["startup"] = options.clock() - start  # (the workers' start, the problems opened)
+    idle, own0, vendor0 = 0.0, tuner.own_measured, tuner.vendor_measured
     while (step := planner.next_step()) is not None:
+        t0 = options.clock()
         ps = searches[step.problem]
         reporter.step_started(step.kind, step.problem, len(searches), ps.shape)
         if step.kind == "vendor":
@@ -83,14 +108,30 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
         else:
             ahead = _compile_ahead(tuner, planner, searches, step)  # (from the seed steps on: the rounds')
             reports = tuner.search(ps, step.counts, step.deadline, then=ahead, force=step.kind == "seeds")
+            idle += sum(r.get("idle_s") or 0.0 for r in reports.values())
             planner.done(step, arms=reports)
+        phases[PHASE_OF[step.kind]] += options.clock() - t0
         reporter.plan_update(planner.snapshot())
     elapsed = options.clock() - start
     extra = options.budget_s if options.budget_s is not None else elapsed
+    own = tuner.own_measured - own0
+    expected = forecast(curves_of(searches, plans), extra, own / elapsed if elapsed > 0 else 0.0)
     reporter.run_finished(RunSummary(
         elapsed, options.budget_s, planner.snapshot(), [ps.shape for ps in searches], [p.history for p in plans],
-        extra, planner.forecast(extra), tuner.compiles.requested))
+        extra, expected, tuner.compiles.requested, own, tuner.vendor_measured - vendor0, phases, idle,
+        sum(r.winner is not None for r in results.values())))
     return results
+
+
+def curves_of(searches: list, plans: list) -> list[Curve]:
+    """Each problem's own candidates' times in the order measured (`forecast`'s search curves)."""
+    curves = []
+    for ps, p in zip(searches, plans):
+        times = tuple(r["median_ms"] for key, r in ps.done.items() if key.partition(":")[0] in ps.own
+                      and r.get("status") == "ok" and isinstance(r.get("median_ms"), (int, float))
+                      and math.isfinite(r["median_ms"]) and r["median_ms"] > 0)
+        curves.append(Curve(p.label, times, p.vendor_ms, any(a.open() for a in p.arms)))
+    return curves
 
 
 def _compile_seeds(tuner, planner: Planner, searches: list) -> None:
@@ -119,17 +160,3 @@ def _compile_ahead(tuner, planner: Planner, searches: list, step):
             if asked:
                 planner.compiling(i, family, asked)
     return ahead
-
-
-def served_gain(summary: RunSummary) -> tuple[float, list]:
-    """(expected geomean speed-up of the served kernels with the larger budget, the problems it
-    comes from: (label, own ms now, expected, vendor ms)). Served: the faster of own and vendor."""
-    ratios, movers = [], []
-    for label, now, expected, vendor in summary.forecast:
-        before, after = min(now, vendor), min(expected, vendor)
-        if math.isfinite(before) and math.isfinite(after) and after > 0:
-            ratios.append(before / after)
-            if before / after > 1.005:
-                movers.append((label, now, expected, vendor))
-    gain = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 1.0
-    return gain, movers

@@ -384,24 +384,3 @@ class Planner:
         rows = [Row(p.label, p.stage, p.own_ms, p.vendor_ms, sum(a.measured for a in p.arms),
                     sum(a.cap for a in p.arms)) for p in self.problems]
         return Snapshot(self.phase(), self.clock() - self.start, self.eta_s(), rows)
-
-    def forecast(self, extra_s: float) -> list[tuple[str, float, float, float]]:
-        """What `extra_s` more seconds of rounds are expected to give, per problem: (label, own ms
-        now, own ms expected, vendor ms). The rounds' own rule, played forward on copies: the best
-        arm gets a batch, its best improves by the expected gain per candidate."""
-        problems = [dataclasses.replace(p, arms=[dataclasses.replace(a, gains=list(a.gains)) for a in p.arms])
-                    for p in self.problems]
-        spent = 0.0
-        while spent < extra_s:
-            arms = [(self.score(p, a), p, a) for p in problems for a in p.arms if a.open() > 0
-                    and math.isfinite(a.best_ms)]
-            if not arms:
-                break
-            _, p, arm = max(arms, key=lambda x: x[0])
-            n = min(self.batch, arm.open())
-            g = self.gain(p, arm) / max(self.weight(p), 1e-9)  # (the gain of the kernel itself)
-            arm.best_ms *= max(0.5, 1 - g * n)
-            arm.measured += n
-            arm.gains.append(g)
-            spent += self.costs.wait(arm.family) + n * self.costs.per(arm.family)
-        return [(p.label, q.own_ms, p.own_ms, p.vendor_ms) for p, q in zip(problems, self.problems)]

@@ -81,6 +81,7 @@ class Tuner(PickWinner):
                                  options.trial_timeout_s)
         self.journal = make_storage(options.storage, store.path)  # (--storage; default: the journal beside the DB)
         self.total_measured = 0
+        self.own_measured = self.vendor_measured = 0  # (the run's rates)
         # Workers start before the first problem's clock (start-up is not charged to one problem;
         # `tune` charges it to the run's budget). The compile workers start in the background while
         # the measuring one does (one after the other, a run's first ~20 s went to start-up); the
@@ -278,6 +279,10 @@ class Tuner(PickWinner):
                     continue
                 mine[key] = done[f"{family}:{key}"] = row
                 self.total_measured += 1
+                if space.vendor:
+                    self.vendor_measured += 1
+                else:
+                    self.own_measured += 1
                 new += 1
                 if outcome.status == "ok" and math.isfinite(outcome.ms):
                     _tell(study, trial, outcome.ms)

@@ -56,12 +56,15 @@ COMPILE_PRIORS_S = {"gluon_sm90_fwd": 27.0}
 def costs_for(options: TuneOptions) -> Costs:
     """The planner's priors, replaced by the run's own measurements as they come: SDPA backends ~3 s a
     forward problem and a candidate ~1.5 s (an H100: 27 forward candidates in 37 s); a forward pick
-    re-times about top_k + 4 methods for `rounds` rounds, each ~3 rep_ms of wall time (spins,
-    flushes); a backward problem's both take longer (`Costs.op_scale`). The interpreter compiles
+    re-times about top_k + 4 methods for `rounds` rounds, each ~1.5 rep_ms of wall time (spins,
+    flushes), after ~1 s of set-up (an H100, the defaults: 2.2 s a forward pick, 5.5 s a backward
+    one; the 4.6 s this prior said before, 11 s for a backward pick, would keep a minute of a
+    22-problem run from its searches until the picks came); a backward problem's both take longer
+    (`Costs.op_scale`). The interpreter compiles
     nothing and has no vendor candidates."""
     if options.interpret:
         return Costs(vendor_s=0.0, pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5, op_scale={})
-    pick_s = 1.0 + (options.top_k + 4) * options.rounds * (3 * options.rep_ms / 1e3 + 0.05)
+    pick_s = 1.0 + (options.top_k + 4) * options.rounds * 1.5 * options.rep_ms / 1e3
     return Costs(pick_s=pick_s, prior_waits=dict(COMPILE_PRIORS_S))
 
 

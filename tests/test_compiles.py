@@ -123,3 +123,34 @@ def test_a_candidate_is_ready_as_soon_as_its_own_compile_is_done(tmp_path, monke
         assert [o.status for o in compiling.result()] == ["ok", "ok"]
     finally:
         pool.close()
+
+
+def test_a_backward_problems_pair_halves_compile_first_with_the_seeds():
+    """A backward candidate is gated and timed with the own forward (and a vendor forward with the
+    own backward): those halves go to the pool first, before the seeds, for the vendor pass."""
+    from autoflash.tuning.planned import _compile_seeds
+    from autoflash.tuning.planner import Arm, Planner, ProblemPlan
+    from autoflash.tuning.search_state import ProblemSearch
+
+    device = gpu_fingerprint()
+    bwd = dataclasses.replace(TINY, op="bwd")
+    searches, plans = [], []
+    for shape in (TINY, bwd):
+        default = default_variant(shape.op, shape.problem, device)
+        searches.append(ProblemSearch(shape, {default.family: [default]}, [], [default.family], default,
+                                      {default.family: 4}, {default.family: [default]},
+                                      {"training_forward": None, "training_backward": None}))
+        plans.append(ProblemPlan(shape.label(), [Arm(default.family, 4, 1)], op=shape.op))
+    sent = []
+
+    class Tuner:
+        pass
+
+    tuner = Tuner()
+    tuner.device = device
+    tuner.compiles = type("Recorder", (), {"start_all": lambda self, items: sent.extend(items)})()
+    _compile_seeds(tuner, Planner(plans, 60.0, lambda: 0.0), searches)
+    ops = [(v.op, shape.op) for v, shape in sent]
+    assert ops[:2] == [("fwd", "fwd"), ("bwd", "bwd")]  # the backward problem's halves, first
+    assert sent[0][0] == default_variant("fwd", dataclasses.replace(bwd, op="fwd").problem, device)
+    assert [v for v, _ in sent[2:]] == [searches[0].default, searches[1].default]  # then every problem's seed

@@ -5,10 +5,11 @@ budget is expected to gain."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from autoflash.problem import Shape
-from autoflash.space import load_space
+from autoflash.space import default_variant, load_space
 from autoflash.tuning.forecast import Curve, forecast
 from autoflash.tuning.planner import Arm, Costs, Planner, ProblemPlan, Snapshot
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
@@ -137,9 +138,31 @@ def curves_of(searches: list, plans: list) -> list[Curve]:
     return curves
 
 
+def pair_halves(ps, device) -> list:
+    """(variant, shape) of the own kernels a backward problem's candidates are timed with (the
+    training pair's other halves: the stored own forward, else the forward default, which also
+    gives the gate its O and LSE; the stored own backward, else the default, beside a vendor
+    forward). Built by no candidate's compile, they were built by the measuring worker itself, the
+    GPU idle, when the vendor pass first paired them."""
+    if ps.problem.op != "bwd":
+        return []
+    out = []
+    for op, stored in (("fwd", ps.context.get("training_forward")), ("bwd", ps.context.get("training_backward"))):
+        shape = dataclasses.replace(ps.shape, op=op)
+        variants = [default_variant(op, shape.problem, device)]
+        if stored:
+            try:
+                variants.insert(0, load_space(stored[0]).check_declared(json.loads(stored[1])))
+            except (ValueError, TypeError):
+                pass  # (the gate says what is wrong with it, when it is used)
+        out += [(v, shape) for v in variants]
+    return out
+
+
 def _compile_seeds(tuner, planner: Planner, searches: list) -> None:
-    """The seed pass's candidates start compiling now, in one batch, while the vendor pass measures."""
-    items = []
+    """The seed pass's candidates start compiling now, in one batch, while the vendor pass measures;
+    first the backward problems' pair halves, which the vendor pass's pairs need."""
+    items = [item for ps in searches for item in pair_halves(ps, tuner.device)]
     for i, counts in planner.planned_seeds().items():
         for family, n in counts:
             items += [(v, searches[i].shape) for v in searches[i].seeds[family][:n]]

@@ -82,7 +82,7 @@ def test_vendor_candidates_are_never_queued_behind_compiles():
     """Torch SDPA has nothing to build: its candidates are ready at once, whatever the pool holds
     (the vendor pass runs while the seeds compile)."""
     class Busy:
-        def map_async(self, *args):
+        def submit_each(self, *args):
             raise AssertionError("sent to the pool")
 
     device = gpu_fingerprint()
@@ -92,3 +92,65 @@ def test_vendor_candidates_are_never_queued_behind_compiles():
     assert vendor
     compiling = Compiles(Busy(), None, 1.0, "cuda", 60).start(vendor, shape)
     assert compiling.done() and [o.status for o in compiling.result()] == ["ok"] * len(vendor)
+
+
+def held_on_block_n_32(variant_json, family, shape, rep_ms, device_str):
+    """A compile that waits for the test's go-ahead (a marker file) on one variant, else real."""
+    import json
+    import time
+
+    marker = os.environ["AUTOFLASH_TEST_MARKER"]
+    while json.loads(variant_json).get("BLOCK_N") == 32 and not os.path.exists(marker):
+        time.sleep(0.05)
+    return sandbox.compile_variant(variant_json, family, shape, rep_ms, device_str)
+
+
+@pytest.mark.interpreter
+def test_a_candidate_is_ready_as_soon_as_its_own_compile_is_done(tmp_path, monkeypatch):
+    """One batch holds every problem's seeds: the first is measured once its compile is done, not
+    once the batch's slowest one is."""
+    marker = tmp_path / "go"
+    monkeypatch.setenv("AUTOFLASH_TEST_MARKER", str(marker))
+    variants = load_space("triton_fwd").valid_variants(TINY.problem, gpu_fingerprint())
+    slow = next(v for v in variants if v["BLOCK_N"] == 32)
+    fast = next(v for v in variants if v["BLOCK_N"] != 32)
+    pool = sandbox.WorkerPool(2, "cpu", {"TRITON_INTERPRET": "1"})
+    try:
+        compiling = Compiles(pool, held_on_block_n_32, 1.0, "cpu", 120).start_all([(fast, TINY), (slow, TINY)])
+        assert compiling.one(0).status == "ok"
+        assert not compiling.ready(1) and not compiling.done()  # (held until the marker exists)
+        marker.touch()
+        assert [o.status for o in compiling.result()] == ["ok", "ok"]
+    finally:
+        pool.close()
+
+
+def test_a_backward_problems_pair_halves_compile_first_with_the_seeds():
+    """A backward candidate is gated and timed with the own forward (and a vendor forward with the
+    own backward): those halves go to the pool first, before the seeds, for the vendor pass."""
+    from autoflash.tuning.planned import _compile_seeds
+    from autoflash.tuning.planner import Arm, Planner, ProblemPlan
+    from autoflash.tuning.search_state import ProblemSearch
+
+    device = gpu_fingerprint()
+    bwd = dataclasses.replace(TINY, op="bwd")
+    searches, plans = [], []
+    for shape in (TINY, bwd):
+        default = default_variant(shape.op, shape.problem, device)
+        searches.append(ProblemSearch(shape, {default.family: [default]}, [], [default.family], default,
+                                      {default.family: 4}, {default.family: [default]},
+                                      {"training_forward": None, "training_backward": None}))
+        plans.append(ProblemPlan(shape.label(), [Arm(default.family, 4, 1)], op=shape.op))
+    sent = []
+
+    class Tuner:
+        pass
+
+    tuner = Tuner()
+    tuner.device = device
+    tuner.compiles = type("Recorder", (), {"start_all": lambda self, items: sent.extend(items)})()
+    _compile_seeds(tuner, Planner(plans, 60.0, lambda: 0.0), searches)
+    ops = [(v.op, shape.op) for v, shape in sent]
+    assert ops[:2] == [("fwd", "fwd"), ("bwd", "bwd")]  # the backward problem's halves, first
+    assert sent[0][0] == default_variant("fwd", dataclasses.replace(bwd, op="fwd").problem, device)
+    assert [v for v, _ in sent[2:]] == [searches[0].default, searches[1].default]  # then every problem's seed

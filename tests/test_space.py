@@ -159,3 +159,23 @@ def test_head_split_only_for_head_dims_that_are_no_power_of_two():
         valid = sp.valid_variants(problem(head_dim=d), HOPPER)
         assert any(v["HEAD_SPLIT"] for v in valid) == offered, d
         assert not any(v["HEAD_SPLIT"] and v["LOADS"] == "block_ptr" for v in valid)
+
+
+def test_valid_variants_are_those_violations_finds_nothing_wrong_with():
+    """valid_variants evaluates the rules without violations' per-variant set-up: the same variants
+    for every family, on the CPU's fingerprint and an H100's."""
+    import dataclasses
+
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Shape
+    from autoflash.space import families_for, load_space
+
+    cpu = gpu_fingerprint()
+    h100 = dataclasses.replace(cpu, name="NVIDIA H100 80GB HBM3", cc_major=9, cc_minor=0, sm_count=132)
+    for op, shape in (("fwd", Shape(2, 32, 8, 4096, 4096, 128, True, "bfloat16")),
+                      ("bwd", Shape(8, 14, 2, 1024, 1024, 64, True, "bfloat16", op="bwd"))):
+        for family in families_for(op):
+            space = load_space(family)
+            for device in (cpu, h100):
+                slow = [v for v in space.all_variants() if not space.violations(v, shape.problem, device)]
+                assert space.valid_variants(shape.problem, device) == slow

@@ -89,7 +89,7 @@ def _report(results, store, op_list, device, interpret, md_path, trials, summari
                       f"measured candidates (fewest: {fewest}). Short searches miss good "
                       "variants: the same command with a larger --budget continues them (trials already in "
                       "the DB count).[/]")
-    from autoflash.cli.tune_progress import forecast_lines, plot
+    from autoflash.cli.tune_progress import forecast_lines, plot, rate_line
 
     for summary in summaries[:1]:  # (several workers: the first one's view)
         took = f"The run took {summary.elapsed_s / 60:.1f} minutes"
@@ -98,6 +98,7 @@ def _report(results, store, op_list, device, interpret, md_path, trials, summari
         if not interpret:
             took += f"; {summary.compiled} variants compiled (each binary once, shared by the problems that need it)"
         console.print(took + ".")
+        console.print(rate_line(summary))
         for line in forecast_lines(summary):
             console.print(line)
     if plot_path and summaries:
@@ -146,8 +147,10 @@ def _report(results, store, op_list, device, interpret, md_path, trials, summari
                    "architecture (shipped DBs and the results DB), gated and timed again here.")
 @output_option("--plot", "plot_path", help="Write best-so-far TFLOP/s against time, one line per problem (PNG).")
 @output_option("--markdown", "md_path", help="Also write the final table as Markdown.")
+@output_option("--json", "json_path", help="Write the run's summary as JSON: budget_s, wall_s, problems, "
+               "problems_with_winner, own_measured, own_per_min, vendor_measured, phases (seconds each), gpu_idle_s.")
 def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, storage, seed, rep_ms, interpret,
-         hide_shipped_rows, transfer_seeds, plot_path, md_path):
+         hide_shipped_rows, transfer_seeds, plot_path, md_path, json_path):
     """Tune this GPU: search kernel variants per problem, store the winners.
 
     The run is planned over its whole budget: first every problem's torch SDPA backends and seeds
@@ -164,6 +167,8 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     Example: autoflash tune --ops fwd,bwd --shapes newgpu --budget 5 --plot tune.png
     Example: autoflash tune --hide-shipped-rows --db /tmp/as-new.db --budget 5   (as if this GPU were new)
     """
+    import time
+
     from autoflash.cli.common import open_store
     from autoflash.device import gpu_fingerprint
     from autoflash.tuning import tuner as tune_mod
@@ -172,6 +177,7 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
     from autoflash.tuning.storage import describe, make_storage
     from autoflash.tuning.stopping import sigterm_interrupts
 
+    began = time.monotonic()
     op_list = _parse_ops(ops)
     if interpret:
         use_interpreter()
@@ -215,10 +221,25 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
             raise
         raise click.ClickException(f"the Optuna storage {describe(storage, store.path)} failed: {one_line(e)}") from None
     _report(results, store, op_list, device, interpret, md_path, trials, summaries, plot_path)
+    if json_path:
+        _write_json(json_path, summaries, results, n, time.monotonic() - began)
     if missing := without_winner(results):  # exit 1: a script must not take a partial run for a tuned one
         raise click.ClickException(
             f"{len(missing)} of {len(results)} problems got no winner: "
             + ", ".join(f"{r.shape.label()} ({r.status.replace('_', ' ')})" for r in missing))
+
+
+def _write_json(path, summaries, results, workers, command_s):
+    """`--json`: the (first) worker's summary, the winners as the merged results say, the command's
+    own wall time beside the run's (the run's clock starts once the command is set up)."""
+    import json
+
+    out = summaries[0].as_json() if summaries else {}
+    out.update(problems=len(results), problems_with_winner=sum(r.winner is not None for r in results),
+               workers=workers, command_wall_s=round(command_s, 1))
+    with click.open_file(path, "w") as f:
+        json.dump(out, f, indent=2)
+        f.write("\n")
 
 
 def _tune_one(workers_mod, shape_list, store, options, command, summaries):

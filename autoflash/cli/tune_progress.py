@@ -90,25 +90,44 @@ class RichReporter:
             self.step = None
 
 
+def rate_line(summary) -> str:
+    """How many candidates the run measured a minute, own and vendor, and where its time went."""
+    phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in summary.phases.items() if seconds >= 0.5)
+    idle = f"; the GPU waited {summary.gpu_idle_s:.0f} s on compiles" if summary.gpu_idle_s >= 0.5 else ""
+    return (f"Measured {summary.own_measured} own candidates ({summary.per_min(summary.own_measured):.1f}/min) and "
+            f"{summary.vendor_measured} vendor ones ({summary.per_min(summary.vendor_measured):.1f}/min)"
+            + (f" ({phases}{idle})" if phases else "") + ".")
+
+
 def forecast_lines(summary) -> list[str]:
-    """What a larger budget is expected to gain (`planned.served_gain`), in a few lines."""
-    from autoflash.tuning.planned import served_gain
+    """What a larger budget is expected to gain (`forecast`), in a few lines."""
+    from autoflash.tuning.forecast import MIN_CANDIDATES, served_gain
 
     if all(r.measured >= r.cap for r in summary.snapshot.rows):
         return ["Every search reached its trial budget: a larger --trials, not a larger --budget, searches further."]
-    gain, movers = served_gain(summary)
+    gain, movers = served_gain(summary.forecast)
+    thin = [e for e in summary.forecast if e.note == "not enough data"]
     more = f"{summary.extra_s / 60:.1f} more minutes"
     if summary.budget_s is not None:
         more = f"a budget of {(summary.budget_s + summary.extra_s) / 60:.1f} minutes (--budget)"
+    lines = []
     if not movers:
-        return [f"A larger budget ({more}) is not expected to change what serves: the searches have converged "
-                "or their own kernels are far from the vendor's."]
-    lines = [f"With {more}, the served kernels are expected {100 * (gain - 1):.1f}% faster (geomean, from "
-             f"this run's search curves), mostly on:"]
-    for label, now, expected, vendor in sorted(movers, key=lambda m: m[2] / m[1])[:5]:
-        flip = " (own would serve)" if expected < vendor <= now else ""
-        lines.append(f"  {label}: own {own_vs_vendor(now, vendor)} -> {own_vs_vendor(expected, vendor)} "
-                     f"the vendor's speed{flip}")
+        lines.append(f"A larger budget ({more}) is not expected to change what serves"
+                     + (": the searches have converged or their own kernels are far from the vendor's." if not thin
+                        else " where the searches say anything."))
+    else:
+        lines.append(f"With {more}, the served kernels are expected {100 * (gain - 1):.1f}% faster (geomean; bounded "
+                     "by the spread of this run's own candidates, at this run's rate), mostly on:")
+        for e in sorted(movers, key=lambda e: e.expected_ms / e.now_ms)[:5]:
+            flip = " (own would serve)" if e.expected_ms < e.vendor_ms <= e.now_ms else ""
+            if not math.isfinite(e.vendor_ms):  # (no vendor candidate: the interpreter)
+                lines.append(f"  {e.label}: own {e.now_ms:.3g} ms -> {e.expected_ms:.3g} ms")
+                continue
+            lines.append(f"  {e.label}: own {own_vs_vendor(e.now_ms, e.vendor_ms)} -> "
+                         f"{own_vs_vendor(e.expected_ms, e.vendor_ms)} the vendor's speed{flip}")
+    if thin:
+        lines.append(f"{len(thin)} of {len(summary.forecast)} problems have fewer than {MIN_CANDIDATES} own candidates "
+                     "measured: not enough data to say what more time would give them.")
     return lines
 
 

@@ -36,26 +36,34 @@ def compile_key(variant: Variant, shape: Shape) -> tuple:
 
 
 class Compiling:
-    """A batch's compile outcomes, in order (some shared with earlier batches)."""
+    """A batch's compile outcomes, in order (some shared with earlier batches), one future each: a
+    candidate is measured as soon as its own compile is done, not once its whole batch is (the seed
+    pass sends every problem's seeds in one batch: the first problem's waited for the last one's)."""
 
-    def __init__(self, parts: list, memo: dict, keys: list):
-        self._parts, self._memo, self._keys = parts, memo, keys
+    def __init__(self, futures: list, memo: dict, keys: list):
+        self._futures, self._memo, self._keys = futures, memo, keys
 
     def done(self) -> bool:
-        return all(f.done() for f, _ in self._parts)
+        return all(f.done() for f in self._futures)
+
+    def ready(self, j: int) -> bool:
+        return self._futures[j].done()
+
+    def one(self, j: int, timeout: float | None = None) -> Outcome:
+        """The j-th outcome; concurrent.futures.TimeoutError when it takes longer than `timeout`
+        seconds (the compile goes on: a later request of the same candidate gets it)."""
+        outcome = self._futures[j].result(timeout)
+        if outcome.status not in _DETERMINISTIC:
+            self._memo.pop(self._keys[j], None)
+        return outcome
 
     def result(self, timeout: float | None = None) -> list[Outcome]:
-        """The outcomes; concurrent.futures.TimeoutError when they take longer than `timeout` seconds
-        (the compiles go on: a later request of the same candidates gets them)."""
+        """Every outcome; concurrent.futures.TimeoutError when they take longer than `timeout` seconds."""
         if timeout is not None:
-            concurrent.futures.wait([f for f, _ in self._parts], timeout=timeout)
+            concurrent.futures.wait(self._futures, timeout=timeout)
             if not self.done():
                 raise concurrent.futures.TimeoutError()
-        out = [f.result()[j] for f, j in self._parts]
-        for key, outcome in zip(self._keys, out):
-            if outcome.status not in _DETERMINISTIC:
-                self._memo.pop(key, None)
-        return out
+        return [self.one(j) for j in range(len(self._futures))]
 
 
 class Compiles:
@@ -65,7 +73,7 @@ class Compiles:
     def __init__(self, pool, fn, rep_ms: float, device_str: str, timeout_s: float):
         self.pool, self.fn = pool, fn or sandbox.compile_variant
         self.rep_ms, self.device_str, self.timeout_s = rep_ms, device_str, timeout_s
-        self._memo: dict[tuple, tuple] = {}  # compile key -> (future of a batch, index in it)
+        self._memo: dict[tuple, concurrent.futures.Future] = {}  # compile key -> its compile's future
         self.requested = 0  # variants sent to the pool (for the run's summary)
 
     def start(self, variants: list[Variant], shape: Shape) -> Compiling:
@@ -74,23 +82,22 @@ class Compiles:
         return self.start_all([(v, shape) for v in variants])
 
     def start_all(self, items: list[tuple[Variant, Shape]]) -> Compiling:
-        """Compile (variant, shape) pairs of any problems in one batch: the pool's workers take them
-        in order, none waits for a slower one of an earlier batch."""
+        """Compile (variant, shape) pairs of any problems: the pool's workers take them in the order
+        asked, each as soon as a worker is free."""
         done = concurrent.futures.Future()
-        done.set_result([Outcome("ok")])
+        done.set_result(Outcome("ok"))
         if self.pool is None:
-            return Compiling([(done, 0)] * len(items), {}, [None] * len(items))
+            return Compiling([done] * len(items), {}, [None] * len(items))
         keys = [compile_key(v, shape) for v, shape in items]
         todo = {}
         for key, (v, shape) in zip(keys, items):
             if load_space(v.family).vendor:  # nothing to build: never queued behind others' compiles
-                self._memo[key] = (done, 0)
+                self._memo[key] = done
             elif key not in self._memo and key not in todo:
                 todo[key] = (v, shape)
         if todo:
             args = [(v.json(), v.family, shape, self.rep_ms, self.device_str) for v, shape in todo.values()]
-            future = self.pool.map_async(self.fn, args, self.timeout_s)
+            futures = self.pool.submit_each(self.fn, args, self.timeout_s)
             self.requested += len(todo)
-            for j, key in enumerate(todo):
-                self._memo[key] = (future, j)
+            self._memo.update(zip(todo, futures))
         return Compiling([self._memo[k] for k in keys], self._memo, keys)

@@ -5,17 +5,22 @@ budget is expected to gain."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from autoflash.problem import Shape
-from autoflash.space import load_space
+from autoflash.space import default_variant, load_space
+from autoflash.tuning.forecast import Curve, forecast
 from autoflash.tuning.planner import Arm, Costs, Planner, ProblemPlan, Snapshot
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 
 
+PHASE_OF = {"vendor": "vendor", "seeds": "seed", "search": "rounds", "pick": "picks"}  # step kind -> phase
+
+
 @dataclasses.dataclass
 class RunSummary:
-    """What the run did, for the end of its report and `tune --plot`."""
+    """What the run did, for the end of its report, `tune --plot` and `tune --json`."""
 
     elapsed_s: float
     budget_s: float | None
@@ -23,8 +28,25 @@ class RunSummary:
     shapes: list  # per planned problem, its Shape
     histories: list  # per planned problem, [(seconds into the run, best own ms, best vendor ms)]
     extra_s: float  # the larger budget `forecast` is for: this much more time
-    forecast: list  # per planned problem, (label, own ms now, own ms expected, vendor ms)
+    forecast: list  # per planned problem, a forecast.Expected
     compiled: int  # variants sent to the compile pool (each binary once)
+    own_measured: int = 0  # own candidates measured in this run
+    vendor_measured: int = 0  # vendor candidates measured in this run
+    phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds (startup, vendor, seed, rounds, picks)
+    gpu_idle_s: float = 0.0  # seconds the measuring worker waited on compiles
+    problems_with_winner: int = 0
+
+    def per_min(self, n: int) -> float:
+        return n / (self.elapsed_s / 60) if self.elapsed_s > 0 else math.nan
+
+    def as_json(self) -> dict:
+        """`autoflash tune --json`: what the run measured and how fast."""
+        return {"budget_s": self.budget_s, "wall_s": round(self.elapsed_s, 1), "problems": len(self.shapes),
+                "problems_with_winner": self.problems_with_winner, "own_measured": self.own_measured,
+                "own_per_min": round(self.per_min(self.own_measured), 2), "vendor_measured": self.vendor_measured,
+                "vendor_per_min": round(self.per_min(self.vendor_measured), 2),
+                "phases": {k: round(v, 1) for k, v in self.phases.items()}, "gpu_idle_s": round(self.gpu_idle_s, 1),
+                "compiled": self.compiled}
 
 
 # A compile batch's wall time per family where it differs from the default prior (measured on an
@@ -34,19 +56,24 @@ COMPILE_PRIORS_S = {"gluon_sm90_fwd": 27.0}
 
 def costs_for(options: TuneOptions) -> Costs:
     """The planner's priors, replaced by the run's own measurements as they come: SDPA backends ~3 s a
-    problem and a candidate ~1.5 s (an H100: 27 forward candidates in 37 s); a pick re-times about
-    top_k + 4 methods for `rounds` rounds, each ~3 rep_ms of wall time (spins, flushes). The
-    interpreter compiles nothing and has no vendor candidates."""
+    forward problem and a candidate ~1.5 s (an H100: 27 forward candidates in 37 s); a forward pick
+    re-times about top_k + 4 methods for `rounds` rounds, each ~1.5 rep_ms of wall time (spins,
+    flushes), after ~1 s of set-up (an H100, the defaults: 2.2 s a forward pick, 5.5 s a backward
+    one; the 4.6 s this prior said before, 11 s for a backward pick, would keep a minute of a
+    22-problem run from its searches until the picks came); a backward problem's both take longer
+    (`Costs.op_scale`). The interpreter compiles
+    nothing and has no vendor candidates."""
     if options.interpret:
-        return Costs(vendor_s=0.0, pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5)
-    pick_s = 1.0 + (options.top_k + 4) * options.rounds * (3 * options.rep_ms / 1e3 + 0.05)
+        return Costs(vendor_s=0.0, pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5, op_scale={})
+    pick_s = 1.0 + (options.top_k + 4) * options.rounds * 1.5 * options.rep_ms / 1e3
     return Costs(pick_s=pick_s, prior_waits=dict(COMPILE_PRIORS_S))
 
 
 def plan_of(ps) -> ProblemPlan:
     arms = [Arm(f, ps.caps[f], len(ps.seeds[f]), measured=ps.counted.get(f, 0), best_ms=ps.best_ms([f]))
             for f in ps.own]
-    return ProblemPlan(ps.shape.label(), arms, has_vendor=bool(ps.vendor), vendor_ms=ps.best_ms(ps.vendor))
+    return ProblemPlan(ps.shape.label(), arms, op=ps.problem.op, has_vendor=bool(ps.vendor),
+                       vendor_ms=ps.best_ms(ps.vendor))
 
 
 def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Reporter, start: float,
@@ -66,7 +93,11 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
     batch = options.compile_workers if tuner.compilers else 1
     planner = Planner(plans, options.budget_s, options.clock, costs_for(options), start=start, batch=batch)
     _compile_seeds(tuner, planner, searches)
+    phases = dict.fromkeys(("startup", "vendor", "seed", "rounds", "picks"), 0.0)
+    phases["startup"] = options.clock() - start  # (the workers' start, the problems opened)
+    idle, own0, vendor0 = 0.0, tuner.own_measured, tuner.vendor_measured
     while (step := planner.next_step()) is not None:
+        t0 = options.clock()
         ps = searches[step.problem]
         reporter.step_started(step.kind, step.problem, len(searches), ps.shape)
         if step.kind == "vendor":
@@ -79,23 +110,59 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
             planner.done(step, served="" if winner is None else "vendor" if load_space(winner.family).vendor else "own")
             reporter.problem_done(result)
         else:
-            ahead = None
-            if step.kind == "search" or all(p.seeded or p is plans[step.problem] for p in plans):
-                ahead = _compile_ahead(tuner, planner, searches, step)  # (the last seed step: the first round's)
+            ahead = _compile_ahead(tuner, planner, searches, step)  # (from the seed steps on: the rounds')
             reports = tuner.search(ps, step.counts, step.deadline, then=ahead, force=step.kind == "seeds")
+            idle += sum(r.get("idle_s") or 0.0 for r in reports.values())
             planner.done(step, arms=reports)
+        phases[PHASE_OF[step.kind]] += options.clock() - t0
         reporter.plan_update(planner.snapshot())
     elapsed = options.clock() - start
     extra = options.budget_s if options.budget_s is not None else elapsed
+    own = tuner.own_measured - own0
+    expected = forecast(curves_of(searches, plans), extra, own / elapsed if elapsed > 0 else 0.0)
     reporter.run_finished(RunSummary(
         elapsed, options.budget_s, planner.snapshot(), [ps.shape for ps in searches], [p.history for p in plans],
-        extra, planner.forecast(extra), tuner.compiles.requested))
+        extra, expected, tuner.compiles.requested, own, tuner.vendor_measured - vendor0, phases, idle,
+        sum(r.winner is not None for r in results.values())))
     return results
 
 
+def curves_of(searches: list, plans: list) -> list[Curve]:
+    """Each problem's own candidates' times in the order measured (`forecast`'s search curves)."""
+    curves = []
+    for ps, p in zip(searches, plans):
+        times = tuple(r["median_ms"] for key, r in ps.done.items() if key.partition(":")[0] in ps.own
+                      and r.get("status") == "ok" and isinstance(r.get("median_ms"), (int, float))
+                      and math.isfinite(r["median_ms"]) and r["median_ms"] > 0)
+        curves.append(Curve(p.label, times, p.vendor_ms, any(a.open() for a in p.arms)))
+    return curves
+
+
+def pair_halves(ps, device) -> list:
+    """(variant, shape) of the own kernels a backward problem's candidates are timed with (the
+    training pair's other halves: the stored own forward, else the forward default, which also
+    gives the gate its O and LSE; the stored own backward, else the default, beside a vendor
+    forward). Built by no candidate's compile, they were built by the measuring worker itself, the
+    GPU idle, when the vendor pass first paired them."""
+    if ps.problem.op != "bwd":
+        return []
+    out = []
+    for op, stored in (("fwd", ps.context.get("training_forward")), ("bwd", ps.context.get("training_backward"))):
+        shape = dataclasses.replace(ps.shape, op=op)
+        variants = [default_variant(op, shape.problem, device)]
+        if stored:
+            try:
+                variants.insert(0, load_space(stored[0]).check_declared(json.loads(stored[1])))
+            except (ValueError, TypeError):
+                pass  # (the gate says what is wrong with it, when it is used)
+        out += [(v, shape) for v in variants]
+    return out
+
+
 def _compile_seeds(tuner, planner: Planner, searches: list) -> None:
-    """The seed pass's candidates start compiling now, in one batch, while the vendor pass measures."""
-    items = []
+    """The seed pass's candidates start compiling now, in one batch, while the vendor pass measures;
+    first the backward problems' pair halves, which the vendor pass's pairs need."""
+    items = [item for ps in searches for item in pair_halves(ps, tuner.device)]
     for i, counts in planner.planned_seeds().items():
         for family, n in counts:
             items += [(v, searches[i].shape) for v in searches[i].seeds[family][:n]]
@@ -105,27 +172,17 @@ def _compile_seeds(tuner, planner: Planner, searches: list) -> None:
 
 
 def _compile_ahead(tuner, planner: Planner, searches: list, step):
-    """A callback for the step's search: once its own first batch is compiling, the search expected
-    after it starts compiling its batch too, to be ready when the GPU is."""
+    """A callback for the step's search: once its own first batch is compiling, the searches
+    expected after it start compiling their batches too, the most valuable first, until the pool
+    holds `Planner.horizon_s` of work: ready when the GPU is."""
     def ahead():
-        nxt = planner.peek(step)
-        if nxt is not None and tuner.compilers is not None:
+        if tuner.compilers is None:
+            return
+        tried = set()
+        while planner.backlog_s() < planner.horizon_s() and (nxt := planner.peek(step, tried)) is not None:
             i, family, n = nxt
+            tried.add((i, family))
             asked = tuner.ask_ahead(searches[i], family, n)
             if asked:
                 planner.compiling(i, family, asked)
     return ahead
-
-
-def served_gain(summary: RunSummary) -> tuple[float, list]:
-    """(expected geomean speed-up of the served kernels with the larger budget, the problems it
-    comes from: (label, own ms now, expected, vendor ms)). Served: the faster of own and vendor."""
-    ratios, movers = [], []
-    for label, now, expected, vendor in summary.forecast:
-        before, after = min(now, vendor), min(expected, vendor)
-        if math.isfinite(before) and math.isfinite(after) and after > 0:
-            ratios.append(before / after)
-            if before / after > 1.005:
-                movers.append((label, now, expected, vendor))
-    gain = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 1.0
-    return gain, movers

@@ -25,33 +25,45 @@ SEEDS_IN_PASS = 3  # seeds per family in the seed pass; the rest come first in t
 SEED_PASS_SHARE = 0.5  # of the search time left, at most this much goes to the seed pass
 NEAR = 0.15  # own/vendor time ratio over which an own gain stops mattering (it would not serve)
 PRIOR_GAIN = 0.3  # expected relative gain of the next candidate, / (candidates measured + 2)
+AHEAD_BATCHES = 3  # compile batches kept queued ahead of the GPU (`Planner.horizon_s`)
 STALLED = 0.002  # a step that gained less per candidate than this did not improve the search
 
 
 @dataclasses.dataclass
 class Costs:
     """Seconds of each kind of work: priors (an H100, Triton 3.6: a compile batch ~8 s, vendor
-    backends ~3 s a problem), replaced by what the run measures as it goes."""
+    backends ~3 s a forward problem), replaced by what the run measures as it goes."""
 
-    vendor_s: float = 3.0  # every vendor candidate of one problem
-    pick_s: float = 4.0  # one problem's final re-measure
+    vendor_s: float = 3.0  # every vendor candidate of one forward problem
+    pick_s: float = 4.0  # one forward problem's final re-measure
+    # A backward problem's vendor pass and pick time a forward and a backward pass, five vendor pairs
+    # instead of three backends (an H100, 22 problems: vendor 2.6 s a forward problem, 9.7 s a
+    # backward one; picks 2.2 s and 5.5 s): one op's durations say little about another's, and a
+    # cheap forward pick that stood for the backward ones overran the budget by their difference.
+    op_scale: dict = dataclasses.field(default_factory=lambda: {"vendor_s": {"bwd": 3.5}, "pick_s": {"bwd": 2.5}})
+    seen: dict = dataclasses.field(default_factory=dict)  # (kind, op) -> measured seconds
     wait_s: dict = dataclasses.field(default_factory=dict)  # family -> wait for a step's first compiled batch
     per_s: dict = dataclasses.field(default_factory=dict)  # family -> seconds per candidate after it
     prior_wait_s: float = 8.0
     prior_per_s: float = 1.5
     prior_waits: dict = dataclasses.field(default_factory=dict)  # family -> its own prior wait
 
-    def observe(self, kind: str, seconds: float, family: str | None = None) -> None:
-        """A measured duration: the first replaces the prior, later ones are averaged in."""
+    def observe(self, kind: str, seconds: float, family: str | None = None, op: str = "fwd") -> None:
+        """A measured duration: the first replaces the prior, later ones are averaged in. vendor_s
+        and pick_s are per op, wait_s and per_s per family."""
         if seconds is None or not math.isfinite(seconds) or seconds < 0:
             return
-        if kind in ("wait_s", "per_s"):
-            table = getattr(self, kind)
-            table[family] = seconds if family not in table else 0.5 * (table[family] + seconds)
-        else:
-            seen = f"_{kind}_seen"
-            setattr(self, kind, seconds if not getattr(self, seen, False) else 0.5 * (getattr(self, kind) + seconds))
-            setattr(self, seen, True)
+        table, key = (getattr(self, kind), family) if kind in ("wait_s", "per_s") else (self.seen, (kind, op))
+        table[key] = seconds if key not in table else 0.5 * (table[key] + seconds)
+
+    def vendor(self, op: str = "fwd") -> float:
+        return self._per_op("vendor_s", op)
+
+    def pick(self, op: str = "fwd") -> float:
+        return self._per_op("pick_s", op)
+
+    def _per_op(self, kind: str, op: str) -> float:
+        return self.seen.get((kind, op), getattr(self, kind) * self.op_scale.get(kind, {}).get(op, 1.0))
 
     def wait(self, family: str) -> float:
         return self.wait_s.get(family, self.prior_waits.get(family, self.prior_wait_s))
@@ -82,6 +94,7 @@ class Arm:
 class ProblemPlan:
     label: str
     arms: list
+    op: str = "fwd"
     has_vendor: bool = True
     vendor_ms: float = math.inf
     stage: str = "waiting"  # waiting | vendor only | seeded | searched | picked
@@ -140,7 +153,7 @@ class Planner:
         return math.inf if self.end is None else self.end - self.clock()
 
     def vendor_left_s(self) -> float:
-        return sum(self.costs.vendor_s for p in self.problems if p.has_vendor and not p.vendor_done)
+        return sum(self.costs.vendor(p.op) for p in self.problems if p.has_vendor and not p.vendor_done)
 
     def reserve_s(self) -> float:
         """Time kept back for what every problem must still get: its vendor pass, one seed (the
@@ -148,7 +161,7 @@ class Planner:
         overrun by them, never by anything else."""
         seeds = sum(min((self.costs.per(a.family) for a in p.arms if a.open()), default=0.0)
                     for p in self.problems if not p.seeded)
-        return self.vendor_left_s() + seeds + sum(self.costs.pick_s for p in self.problems if not p.picked)
+        return self.vendor_left_s() + seeds + sum(self.costs.pick(p.op) for p in self.problems if not p.picked)
 
     def step_s(self, arm: Arm, n: int, at: float | None = None) -> float:
         """Expected seconds of n candidates of an arm in a step starting at `at` (default now): the
@@ -250,16 +263,29 @@ class Planner:
         out.sort(key=lambda x: (-x[0], x[1]))
         return [x[1:] for x in out]
 
-    def peek(self, step: Step) -> tuple | None:
+    def backlog_s(self) -> float:
+        """Seconds the compile pool is expected to need for what it was sent."""
+        return max(0.0, self.pool_free_at - self.clock())
+
+    def horizon_s(self) -> float:
+        """How far ahead the pool is kept busy: AHEAD_BATCHES batches of the slowest family. The
+        pool, not the GPU, is the bottleneck (12 Gluon compiles take ~27 s, their measurement
+        ~12 s): asked one step ahead, a batch started compiling only when the step before it did,
+        and 60 s of a 180-s run on an H100 went to the GPU waiting."""
+        return AHEAD_BATCHES * max((self.costs.wait(a.family) for p in self.problems for a in p.arms), default=0.0)
+
+    def peek(self, step: Step, skip=()) -> tuple | None:
         """(problem, family, n) of the search to compile ahead while `step` measures: the most
-        valuable one not compiling already, as the ranking will stand once the step's candidates
-        are measured (a search that stays best gets its next batch ready too)."""
+        valuable one not compiling already (nor in `skip`: (problem, family) pairs), as the ranking
+        will stand once the step's candidates are measured (a search that stays best gets its next
+        batch ready too)."""
         arms = [(self.problems[step.problem].arm(f), n) for f, n in step.counts]
         saved = [(a.measured, a.ready_at) for a, _ in arms]
         for a, n in arms:
             a.measured = a.measured + n
         try:
-            ranked = [(i, arm, n) for i, arm, n in self._ranked(ready=False) if arm.ready_at is None]
+            ranked = [(i, arm, n) for i, arm, n in self._ranked(ready=False)
+                      if arm.ready_at is None and (i, arm.family) not in skip]
         finally:
             for (a, _), (measured, ready_at) in zip(arms, saved):
                 a.measured, a.ready_at = measured, ready_at
@@ -310,12 +336,12 @@ class Planner:
         now = self.clock()
         p = self.problems[step.problem]
         if step.kind == "vendor":
-            self.costs.observe("vendor_s", now - self._t0)
+            self.costs.observe("vendor_s", now - self._t0, op=p.op)
             p.vendor_done = True
             p.vendor_ms = vendor_ms if vendor_ms is not None else p.vendor_ms
             p.stage = "vendor only" if p.stage == "waiting" else p.stage
         elif step.kind == "pick":
-            self.costs.observe("pick_s", now - self._t0)
+            self.costs.observe("pick_s", now - self._t0, op=p.op)
             p.picked, p.stage, p.served = True, "picked", served
         else:
             asked = dict(step.counts)
@@ -349,33 +375,12 @@ class Planner:
 
     def eta_s(self) -> float:
         """Seconds until the run is expected to end: the work left, bounded by the budget."""
-        todo = sum(self.costs.vendor_s for p in self.problems if p.has_vendor and not p.vendor_done)
+        todo = self.vendor_left_s()
         todo += sum(self.step_s(a, a.open()) for p in self.problems if not p.picked for a in p.arms)
-        todo += sum(self.costs.pick_s for p in self.problems if not p.picked)
+        todo += sum(self.costs.pick(p.op) for p in self.problems if not p.picked)
         return max(0.0, min(todo, self.left()))
 
     def snapshot(self) -> Snapshot:
         rows = [Row(p.label, p.stage, p.own_ms, p.vendor_ms, sum(a.measured for a in p.arms),
                     sum(a.cap for a in p.arms)) for p in self.problems]
         return Snapshot(self.phase(), self.clock() - self.start, self.eta_s(), rows)
-
-    def forecast(self, extra_s: float) -> list[tuple[str, float, float, float]]:
-        """What `extra_s` more seconds of rounds are expected to give, per problem: (label, own ms
-        now, own ms expected, vendor ms). The rounds' own rule, played forward on copies: the best
-        arm gets a batch, its best improves by the expected gain per candidate."""
-        problems = [dataclasses.replace(p, arms=[dataclasses.replace(a, gains=list(a.gains)) for a in p.arms])
-                    for p in self.problems]
-        spent = 0.0
-        while spent < extra_s:
-            arms = [(self.score(p, a), p, a) for p in problems for a in p.arms if a.open() > 0
-                    and math.isfinite(a.best_ms)]
-            if not arms:
-                break
-            _, p, arm = max(arms, key=lambda x: x[0])
-            n = min(self.batch, arm.open())
-            g = self.gain(p, arm) / max(self.weight(p), 1e-9)  # (the gain of the kernel itself)
-            arm.best_ms *= max(0.5, 1 - g * n)
-            arm.measured += n
-            arm.gains.append(g)
-            spent += self.costs.wait(arm.family) + n * self.costs.per(arm.family)
-        return [(p.label, q.own_ms, p.own_ms, p.vendor_ms) for p, q in zip(problems, self.problems)]

@@ -308,21 +308,31 @@ class WorkerPool:
         # before one compiled ahead for later), and none waits for an earlier batch's slowest compile.
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 
-    def start(self, timeout_s: float) -> None:
-        """Start every worker (torch import, CUDA context) before any budget clock runs."""
-        self.map(ping, [()] * len(self._all), timeout_s)
+    def start(self, timeout_s: float, wait: bool = True) -> list:
+        """Start every worker (torch import, CUDA context); wait=False: in the background, tasks
+        submitted after it queue behind the start (a run's measuring worker starts meanwhile)."""
+        futures = self.submit_each(ping, [()] * len(self._all), timeout_s)
+        if wait:
+            concurrent.futures.wait(futures)
+        return futures
 
     def map_async(self, fn, args_list: list[tuple], timeout_s: float) -> concurrent.futures.Future:
         return self._background.submit(self.map, fn, args_list, timeout_s)
 
+    def submit_each(self, fn, args_list: list[tuple], timeout_s: float) -> list[concurrent.futures.Future]:
+        """One future per task, taken in the order submitted (behind those submitted before): a
+        caller waits for the task it needs, not for a whole batch."""
+        return [self._threads.submit(self._one, fn, args, timeout_s) for args in args_list]
+
     def map(self, fn, args_list: list[tuple], timeout_s: float) -> list:
-        def one(args):
-            sb = self._free.get()
-            try:
-                return sb.call(fn, args, timeout_s)
-            finally:
-                self._free.put(sb)
-        return list(self._threads.map(one, args_list))
+        return list(self._threads.map(lambda args: self._one(fn, args, timeout_s), args_list))
+
+    def _one(self, fn, args: tuple, timeout_s: float):
+        sb = self._free.get()
+        try:
+            return sb.call(fn, args, timeout_s)
+        finally:
+            self._free.put(sb)
 
     def close(self, now: bool = False):
         """Stop every worker; now (a stopped run): kill them first, so that a compile batch in flight

@@ -81,11 +81,14 @@ class Tuner(PickWinner):
                                  options.trial_timeout_s)
         self.journal = make_storage(options.storage, store.path)  # (--storage; default: the journal beside the DB)
         self.total_measured = 0
+        self.own_measured = self.vendor_measured = 0  # (the run's rates)
         # Workers start before the first problem's clock (start-up is not charged to one problem;
-        # `tune` charges it to the run's budget).
-        self.sandbox.call(sandbox.ping, (), options.trial_timeout_s)
+        # `tune` charges it to the run's budget). The compile workers start in the background while
+        # the measuring one does (one after the other, a run's first ~20 s went to start-up); the
+        # first compiles queue behind their start.
         if self.compilers:
-            self.compilers.start(options.trial_timeout_s)
+            self.compilers.start(options.trial_timeout_s, wait=False)
+        self.sandbox.call(sandbox.ping, (), options.trial_timeout_s)
 
     def close(self, status: str, problems: int) -> None:
         stopped = status != "finished"  # Ctrl-C or SIGTERM: the workers are killed, not waited for
@@ -209,7 +212,7 @@ class Tuner(PickWinner):
         budget = min(cap, len(counted) + n)
         best = ps.best_ms(ps.valid)
         batch_size = self.compilers and self.opt.compile_workers or 1
-        waits, measure_s, new, carried = [], 0.0, 0, False
+        waits, later_waits, idle_s, measure_s, new, carried = [], [], 0.0, 0.0, 0, False
 
         def time_left() -> bool:
             return deadline is None or (force and not new) or self.clock() < deadline
@@ -242,18 +245,21 @@ class Tuner(PickWinner):
                 self._carry_over(study, batch)
                 carried = True
                 break
-            t0 = self.clock()
-            try:  # (a forced first candidate waits; others no longer than the deadline: the run's clock)
-                compiled = compiling.result(None if deadline is None or (force and not new) else max(0.0, deadline - t0))
-            except concurrent.futures.TimeoutError:
-                self._carry_over(study, batch)  # still compiling: measured at the search's next turn
-                carried = True
-                break
-            waits.append(self.clock() - t0)
-            # Compile the next batch on the CPU cores while this one is measured on the GPU.
-            pending = next_batch(min(batch_size, budget - len(counted) - len(batch)))
-            for j, ((trial, variant), c) in enumerate(zip(batch, compiled)):
-                if not time_left():
+            pending, stop = None, False
+            for j, (trial, variant) in enumerate(batch):
+                t0 = self.clock()
+                try:  # (a forced first candidate waits; others no longer than the deadline: the run's clock)
+                    c = compiling.one(j, None if deadline is None or (force and not new) else max(0.0, deadline - t0))
+                except concurrent.futures.TimeoutError:
+                    stop = True  # still compiling: measured at the search's next turn
+                waited = self.clock() - t0
+                idle_s += waited  # (the GPU waits on the compile pool)
+                (later_waits if waits else waits).append(waited)
+                if pending is None and j == 0 and not stop:
+                    # The next batch compiles behind this one while this one is measured: each
+                    # candidate is measured as soon as its own compile is done.
+                    pending = next_batch(min(batch_size, budget - len(counted) - len(batch)))
+                if stop or not time_left():
                     self._carry_over(study, batch[j:])
                     carried = True
                     break
@@ -273,6 +279,10 @@ class Tuner(PickWinner):
                     continue
                 mine[key] = done[f"{family}:{key}"] = row
                 self.total_measured += 1
+                if space.vendor:
+                    self.vendor_measured += 1
+                else:
+                    self.own_measured += 1
                 new += 1
                 if outcome.status == "ok" and math.isfinite(outcome.ms):
                     _tell(study, trial, outcome.ms)
@@ -281,13 +291,18 @@ class Tuner(PickWinner):
                     ps.failed += outcome.status in FAILED_STATUSES
                     _tell(study, trial, state=optuna.trial.TrialState.FAIL)
                 self.reporter.trial_done(len(counted), budget, variant, outcome, tflops(shape, best))
+            if stop:
+                if pending is not None:
+                    self._carry_over(study, pending[0])
+                break
         self.sandbox.context["bar_ms"] = None
         ps.counted[family] = len(counted)
         # Exhausted: nothing new was measured, and not for want of time (the space, or the study's
         # budget that workers share, has nothing left to give).
         exhausted = not new and not carried and (deadline is None or self.clock() < deadline)
         return {"measured": len(counted), "best_ms": ps.best_ms([family]), "wait_s": waits[0] if waits else None,
-                "per_s": (measure_s + sum(waits[1:])) / new if new else None, "exhausted": exhausted}
+                "per_s": (measure_s + sum(later_waits)) / new if new else None, "exhausted": exhausted,
+                "idle_s": idle_s, "new": new}
 
     def _carry_over(self, study, batch: list) -> None:
         """Candidates asked for but not measured (the deadline came first) are failed in the study

@@ -154,3 +154,64 @@ def test_a_backward_problems_pair_halves_compile_first_with_the_seeds():
     assert ops[:2] == [("fwd", "fwd"), ("bwd", "bwd")]  # the backward problem's halves, first
     assert sent[0][0] == default_variant("fwd", dataclasses.replace(bwd, op="fwd").problem, device)
     assert [v for v, _ in sent[2:]] == [searches[0].default, searches[1].default]  # then every problem's seed
+
+
+def test_pair_halves_leave_out_a_forward_that_fits_no_kernel_on_the_gpu():
+    """A backward problem whose forward space has no variant on this GPU (fp32 d128 in 64 KiB of
+    shared memory) must not stop the run: only the pairs needing that half fail, as they did."""
+    import dataclasses as dc
+    from types import SimpleNamespace
+
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Shape
+    from autoflash.space import InvalidVariant, default_variant
+    from autoflash.tuning.planned import pair_halves
+
+    t4 = dc.replace(gpu_fingerprint(), name="Tesla T4", cc_major=7, cc_minor=5, sm_count=40, smem_per_block=65536,
+                    triton_version="3.2.0")
+    shape = Shape(1, 8, 8, 1024, 1024, 128, True, "float32", op="bwd")
+    with pytest.raises(InvalidVariant):
+        default_variant("fwd", dc.replace(shape, op="fwd").problem, t4)
+    ps = SimpleNamespace(problem=shape.problem, shape=shape, context={})
+    halves = pair_halves(ps, t4)
+    assert [v.family for v, _ in halves] == ["triton_bwd"]
+
+
+@pytest.mark.interpreter
+def test_asking_ahead_of_a_search_without_a_study_compiles_its_next_candidates(tmp_path):
+    """A search that takes every valid variant (no study) asked ahead while its own batch compiles:
+    the next candidates, not the batch in flight again (which would count as compiled ahead and
+    build nothing)."""
+    from autoflash.shapes import load_shape_set
+    from autoflash.store import Store
+    from autoflash.tuning import sandbox
+    from autoflash.tuning.compiles import Compiles
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.tuner import Tuner
+
+    options = TuneOptions(trials=100000, budget_s=None, interpret=True, compile_workers=1)
+    tuner = Tuner(Store(tmp_path / "t.db"), options)
+    tuner.compilers = sandbox.WorkerPool(1, "cpu", {"TRITON_INTERPRET": "1"})
+    tuner.compiles = Compiles(tuner.compilers, None, options.rep_ms, "cpu", options.trial_timeout_s)
+    ps = tuner.open_problem(load_shape_set("tiny")[0])
+    family = ps.own[0]
+    assert len(ps.valid[family]) <= ps.caps[family]  # (no study: the case in question)
+    started, asked = [], []
+    start = tuner.compiles.start
+
+    def recording_start(variants, shape):
+        started.append({v.json() for v in variants})
+        return start(variants, shape)
+
+    tuner.compiles.start = recording_start
+
+    def then():
+        sent = tuner.compiles.requested
+        asked.append((tuner.ask_ahead(ps, family, 2), tuner.compiles.requested - sent))
+
+    try:
+        tuner.search(ps, ((family, 2),), None, then=then)
+    finally:
+        tuner.close("finished", 1)
+    (n, sent), = asked
+    assert n == 2 and sent == 2 and started[0].isdisjoint(started[-1])

@@ -76,6 +76,10 @@ class Compiles:
         self._memo: dict[tuple, concurrent.futures.Future] = {}  # compile key -> its compile's future
         self.requested = 0  # variants sent to the pool (for the run's summary)
 
+    def started(self, variant: Variant, shape: Shape) -> bool:
+        """Whether this candidate is compiled or compiling already (in this run)."""
+        return compile_key(variant, shape) in self._memo
+
     def start(self, variants: list[Variant], shape: Shape) -> Compiling:
         """Compile these candidates of one problem in the background (those not compiled or
         compiling already)."""

@@ -9,7 +9,7 @@ import json
 import math
 
 from autoflash.problem import Shape
-from autoflash.space import default_variant, load_space
+from autoflash.space import InvalidVariant, default_variant, load_space
 from autoflash.tuning.forecast import Curve, forecast
 from autoflash.tuning.planner import Arm, Costs, Planner, ProblemPlan, Snapshot
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
@@ -149,7 +149,10 @@ def pair_halves(ps, device) -> list:
     out = []
     for op, stored in (("fwd", ps.context.get("training_forward")), ("bwd", ps.context.get("training_backward"))):
         shape = dataclasses.replace(ps.shape, op=op)
-        variants = [default_variant(op, shape.problem, device)]
+        try:
+            variants = [default_variant(op, shape.problem, device)]
+        except InvalidVariant:  # (no own kernel of this op fits the shape on this GPU, e.g. d256 forwards
+            variants = []      # in 64 KiB of shared memory: the pairs that need it fail alone, as before)
         if stored:
             try:
                 variants.insert(0, load_space(stored[0]).check_declared(json.loads(stored[1])))

@@ -183,12 +183,17 @@ class Tuner(PickWinner):
         thash, space = codegen.template_hash(family), load_space(family)
         mine = {r["variant"]: r for r in self.store.trials_for(self.gpu_key, ps.problem.key, thash)}
         study, queue_ = Tuner._open_search(self, ps, family, thash, ps.caps.get(family, len(ps.valid[family])))
+        # (those compiling already are the batch its search is about to take, or an earlier ask
+        # ahead: asked again they would count as compiles ahead that build nothing)
+        def fresh(v) -> bool:
+            return v.json() not in mine and not self.compiles.started(v, ps.shape)
+
         if study is None:
-            variants = [v for v in queue_ if v.json() not in mine][:n]
+            variants = [v for v in queue_ if fresh(v)][:n]
         else:
             waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
             variants = [v for v in (space.check_declared(t.system_attrs["fixed_params"]) for t in waiting
-                                    if "fixed_params" in t.system_attrs) if v.json() not in mine][:n]
+                                    if "fixed_params" in t.system_attrs) if fresh(v)][:n]
             if not waiting:  # (an ask takes the queued ones first: new ones only once none are)
                 batch = Tuner._ask_batch(self, study, space, ps.problem, mine, n)
                 Tuner._carry_over(self, study, batch)

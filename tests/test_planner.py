@@ -402,3 +402,26 @@ def test_a_planned_run_with_a_compile_pool_asks_ahead_and_loses_nothing(tmp_path
     journal = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{db}.optuna.journal"))
     for study in journal.get_all_studies():
         assert not [t for t in journal.get_all_trials(study._study_id) if t.state == optuna.trial.TrialState.RUNNING]
+
+
+def test_the_json_summary_of_several_workers_counts_every_workers_candidates(tmp_path):
+    """Each worker measures its own share: the run's rates are the sum over them (the first worker's
+    alone under-reported an N-GPU run about N times)."""
+    import json
+    from types import SimpleNamespace
+
+    from autoflash.cli.tune_cmds import _write_json
+
+    def summary(wall, own, vendor):
+        return SimpleNamespace(as_json=lambda: {"budget_s": 60.0, "wall_s": wall, "own_measured": own,
+                                                "own_per_min": own / (wall / 60), "vendor_measured": vendor,
+                                                "vendor_per_min": vendor / (wall / 60), "compiled": own,
+                                                "phases": {"vendor": 5.0}, "gpu_idle_s": 1.0})
+
+    results = [SimpleNamespace(winner=object()), SimpleNamespace(winner=None)]
+    out = tmp_path / "run.json"
+    _write_json(str(out), [summary(60.0, 30, 4), summary(54.0, 24, 4)], results, 2, 61.0)
+    data = json.loads(out.read_text())
+    assert data["own_measured"] == 54 and data["vendor_measured"] == 8 and data["compiled"] == 54
+    assert data["own_per_min"] == 54.0 and data["wall_s"] == 60.0 and data["workers"] == 2
+    assert data["problems"] == 2 and data["problems_with_winner"] == 1

@@ -230,11 +230,21 @@ def tune(ops, shapes, dtype, budget, trials, db_path, workers, compile_workers, 
 
 
 def _write_json(path, summaries, results, workers, command_s):
-    """`--json`: the (first) worker's summary, the winners as the merged results say, the command's
-    own wall time beside the run's (the run's clock starts once the command is set up)."""
+    """`--json`: the run's summary (with several workers: candidates and compiles summed over them,
+    the rates over the longest worker's wall time, phases and GPU idle time those of the first), the
+    winners as the merged results say, the command's own wall time beside the run's (the run's clock
+    starts once the command is set up)."""
     import json
 
     out = summaries[0].as_json() if summaries else {}
+    if len(summaries) > 1:
+        each = [s.as_json() for s in summaries]
+        wall = max(e["wall_s"] for e in each)
+        for key in ("own_measured", "vendor_measured", "compiled"):
+            out[key] = sum(e[key] for e in each)
+        out.update(wall_s=wall, phases_of="the first worker",
+                   **{f"{kind}_per_min": round(out[f"{kind}_measured"] / (wall / 60), 2) if wall > 0 else None
+                      for kind in ("own", "vendor")})
     out.update(problems=len(results), problems_with_winner=sum(r.winner is not None for r in results),
                workers=workers, command_wall_s=round(command_s, 1))
     with click.open_file(path, "w") as f:

@@ -132,8 +132,10 @@ def forecast_lines(summary) -> list[str]:
 
 
 def plot(summaries: list, path: str, title: str) -> None:
-    """Best-so-far TFLOP/s against time, one line per problem (the faster of own and vendor), the
-    own kernels' alone dashed where the vendor's is ahead."""
+    """Two panels over the run's time, one line per problem: above, the best-so-far TFLOP/s served
+    (the faster of own and vendor; the own kernels' alone dashed where the vendor's is ahead); below,
+    the own kernels' best speed relative to the vendor's (above 1, own serves): with twenty problems
+    the ratios say at a glance where the search is winning, which the TFLOP/s levels do not."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,22 +143,32 @@ def plot(summaries: list, path: str, title: str) -> None:
 
     from autoflash.tuning.timing import tflops
 
-    fig, ax = plt.subplots(figsize=(10, 6))
+    fig, (ax, rel) = plt.subplots(2, 1, figsize=(11, 9), sharex=True, height_ratios=(3, 2))
+    colors = plt.get_cmap("tab20").colors
+    lines = 0
     for summary in summaries:
         for shape, history in zip(summary.shapes, summary.histories):
             if not history:
                 continue
+            color = colors[lines % len(colors)]
+            lines += 1
             ts = [0.0] + [t for t, _, _ in history]
             served = [math.nan] + [tflops(shape, min(own, vendor)) for _, own, vendor in history]
-            line, = ax.step(ts, served, where="post", label=shape.label())
+            ax.step(ts, served, where="post", label=shape.label(), color=color)
             own = [math.nan] + [tflops(shape, o) for _, o, _ in history]
             if any(o == o and s == s and o < s for o, s in zip(own, served)):
-                ax.step(ts, own, where="post", linestyle="--", color=line.get_color(), alpha=0.5)
-    ax.set_xlabel("seconds into the run")
+                ax.step(ts, own, where="post", linestyle="--", color=color, alpha=0.5)
+            ratio = [math.nan] + [vendor / o if math.isfinite(vendor) and math.isfinite(o) and o > 0 else math.nan
+                                  for _, o, vendor in history]
+            rel.step(ts, ratio, where="post", color=color)
     ax.set_ylabel("best so far, TFLOP/s")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.2))
+    rel.axhline(1.0, color="black", linewidth=1)
+    rel.set_ylabel("own best / vendor's speed")
+    rel.set_xlabel("seconds into the run")
+    rel.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

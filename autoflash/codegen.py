@@ -311,10 +311,10 @@ class Kernel:
         if self.uses_tma:
             ensure_allocator()
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = q.new_empty((*q.shape[:3], v.shape[3]))  # (V's head dim: MLA-like problems have their own)
         if self.op == "bwd":
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-            self.host.launch(q=q, k=k, v=v, o=torch.empty_like(q), lse=lse, do=out, dq=dq, dk=dk, dv=dv, sm_scale=1.0,
+            self.host.launch(q=q, k=k, v=v, o=torch.empty_like(out), lse=lse, do=out, dq=dq, dk=dk, dv=dv, sm_scale=1.0,
                              causal=causal, causal_offset=causal_offset, compile_only=True)
         else:
             self.host.launch(q=q, k=k, v=v, o=out, lse=lse, sm_scale=1.0, causal=causal, causal_offset=causal_offset,

@@ -156,3 +156,30 @@ def test_winners_of_one_value_head_dim_never_serve_another():
     assert table.lookup(dataclasses.replace(stored, seqlen_q=2048))[1].startswith("nearest")
     for other in (dataclasses.replace(stored, head_dim_v=None), dataclasses.replace(stored, head_dim_v=64)):
         assert table.lookup(other) == (None, "default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 64)])
+def test_mla_prefill_in_bf16_on_the_gpu(d, dv, causal, own_kernels, monkeypatch):
+    """DeepSeek-V3's MLA prefill head dims on ragged lengths: O and the gradients within 2x (3x) of torch
+    SDPA's own bf16 error against float64, served by the kernels (AUTOFLASH_STRICT=1)."""
+    import torch.nn.functional as F
+
+    import autoflash
+
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    g = torch.Generator("cuda").manual_seed(d + dv)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = rand(2, 8, 1023, d), rand(2, 8, 1111, d), rand(2, 8, 1111, dv)
+    grad = torch.randn(2, 8, 1023, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+    exact = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=causal)
+    mine = autoflash.attention(q, k, v, is_causal=causal)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert rel_error(mine, exact) <= 2 * rel_error(theirs, exact)
+    for g_mine, g_theirs, g_exact in zip(torch.autograd.grad(mine, (q, k, v), grad),
+                                         torch.autograd.grad(theirs, (q, k, v), grad),
+                                         torch.autograd.grad(exact, (q, k, v), grad.double())):
+        assert rel_error(g_mine, g_exact) <= 3 * rel_error(g_theirs, g_exact)

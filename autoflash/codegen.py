@@ -321,4 +321,4 @@ class Kernel:
                              compile_only=True)
 
     def __repr__(self) -> str:
-        return f"Kernel({self.family}: {self.variant.short()})"
+        return f"Kernel({self.family}: {self.variant.short()}{', own value head dim' if self.value_dim else ''})"

@@ -85,8 +85,8 @@ class Dispatcher:
             return False
         if problem.key in self._tuned_on_miss or torch.compiler.is_compiling():
             return False
-        if problem.score_variant is not None:  # (the tuner measures plain attention only, so far)
-            return False
+        if problem.score_variant is not None or problem.head_dim_v is not None:
+            return False  # (the tuner measures plain attention of one head dim only, so far)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         self._tuned_on_miss.add(problem.key)

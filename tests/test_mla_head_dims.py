@@ -158,6 +158,18 @@ def test_winners_of_one_value_head_dim_never_serve_another():
         assert table.lookup(other) == (None, "default")
 
 
+
+def test_tune_on_miss_leaves_value_head_dims_to_the_defaults(tmp_path, monkeypatch):
+    """The tuner measures one head dim: a call with V of its own is served by the default, never tuned
+    as the plain problem it would be mistaken for."""
+    from autoflash.dispatch import Dispatcher
+
+    monkeypatch.setenv("AUTOFLASH_TUNE_ON_MISS", "1")
+    d = Dispatcher(winner_paths=[tmp_path / "user.db"])
+    problem = Problem("fwd", "float16", 64, False, 1, 64, 64, head_dim_v=32)
+    assert not d._claim_tune_on_miss(problem, torch.zeros(1))
+    assert d._claim_tune_on_miss(dataclasses.replace(problem, head_dim_v=None), torch.zeros(1))
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d, dv", [(192, 128), (128, 64)])

@@ -20,7 +20,8 @@ from autoflash.dispatch import get_dispatcher
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
 from autoflash.reference import torch_sdpa
 from autoflash.sdpa_args import check_sdpa_numbers, check_sdpa_tensors, kernel_views, numbers_reason, sdpa_batch
-from autoflash.validate import check_sdpa_kinds, deterministic_backward, needs_autograd, unsupported_reason
+from autoflash.validate import (check_sdpa_kinds, deterministic_backward, needs_autograd, output_like,
+                                unsupported_reason)
 
 
 
@@ -34,7 +35,7 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
     No validation or fallback: the public functions do that.
     """
     if out is None:
-        out = torch.empty_like(q)  # q's memory layout (see flash_attn_func)
+        out = output_like(q, v)  # q's memory layout (see flash_attn_func)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True).forward(q, k, v, out, lse, sm_scale, causal,
@@ -116,13 +117,13 @@ def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool, det
         if memoize:
             _remember(training_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan, deterministic)
         return plan(q, k, v)
-    if _decode_shaped(q, k, causal, causal_offset):
+    if _decode_shaped(q, k, causal, causal_offset) and v.shape[-1] == q.shape[-1]:  # (decode: one head dim)
         def plan(q, k, v):
             return decode_kernels.short_query_attention(q, k, v, sm_scale, causal)
         if memoize:
             _remember(inference_plans, q, k, v, causal, scale, enable_gqa, causal_offset, plan)
         return plan(q, k, v)
-    out = torch.empty_like(q)
+    out = output_like(q, v)
     kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=own_only)
     if kernel.vendor:  # a vendor kernel won this problem: called as it is, now and next time
         try:
@@ -207,7 +208,7 @@ def _own_plan(kernel, q, k, v, out, sm_scale: float, causal: bool, causal_offset
             kernel.forward(q, k, v, o, lse, sm_scale, causal, causal_offset)
 
     def plan(q, k, v):
-        out = torch.empty_like(q)  # q's memory layout, as forward_with_lse
+        out = output_like(q, v)  # q's memory layout, as forward_with_lse
         # A fresh lse each call (discarded): a buffer kept by the plan could be freed while a kernel
         # on another stream, or a captured CUDA graph, still writes to it.
         launch(q, k, v, out, torch.empty(q.shape[:3], device=q.device, dtype=torch.float32))

@@ -70,12 +70,13 @@ class Dispatcher:
 
     @staticmethod
     def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str, sm_count: int,
-                    score: ScoreVariant = PLAIN) -> Problem:
+                    score: ScoreVariant = PLAIN, head_dim_v: int | None = None) -> Problem:
+        """head_dim_v: V's head dim (None or q's: the plain problem)."""
         return Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                        gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(q.shape[2]),
                        seqlen_k=seqlen_bucket(k.shape[2]),
                        work=shape_work_bucket(op, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], sm_count),
-                       score_variant=score.key or None)
+                       score_variant=score.key or None, head_dim_v=_value_dim(q, head_dim_v))
 
     def _claim_tune_on_miss(self, problem: Problem, q) -> bool:
         """Whether this call tunes its problem (AUTOFLASH_TUNE_ON_MISS=1, first seen, not while a CUDA
@@ -84,8 +85,8 @@ class Dispatcher:
             return False
         if problem.key in self._tuned_on_miss or torch.compiler.is_compiling():
             return False
-        if problem.score_variant is not None:  # (the tuner measures plain attention only, so far)
-            return False
+        if problem.score_variant is not None or problem.head_dim_v is not None:
+            return False  # (the tuner measures plain attention of one head dim only, so far)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         self._tuned_on_miss.add(problem.key)
@@ -161,14 +162,16 @@ class Dispatcher:
         own_only = own_only or deterministic or not score.plain  # (no vendor kernel computes them)
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
         key = (op, causal, q.dtype, q.device, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(),
-               aligned, own_only, deterministic) + ((score,) if score.key else ())
+               aligned, own_only, deterministic) + ((score,) if score.key else ()) + (
+            (v.shape[-1],) if v.shape[-1] != q.shape[-1] else ())
         kernel = self.kernels.get(key)
         if kernel is None:
             device_index = q.device.index if q.is_cuda else None
             device = gpu_fingerprint(device_index)
-            problem = self.problem_for(q, k, causal, op, device.sm_count, score)
+            problem = self.problem_for(q, k, causal, op, device.sm_count, score, v.shape[-1])
             with self._lock:
-                if os.environ.get("AUTOFLASH_RECORD") and score.plain:  # (shape sets hold plain problems)
+                if os.environ.get("AUTOFLASH_RECORD") and score.plain and problem.head_dim_v is None:
+                    # (shape sets hold plain problems of one head dim)
                     self._record(q, k, problem)
                 tune = (problem.key not in self.winners(device, device_index).rows
                         and self._claim_tune_on_miss(problem, q))
@@ -180,7 +183,8 @@ class Dispatcher:
                 kernel = self._load(self.variant_for(problem, device, device_index, own_only), problem, device,
                                     deterministic)
                 if kernel.vendor and kernel.unsupported(q, k, v, o):  # e.g. a GPU winner, CPU tensors
-                    kernel = codegen.load(self.variant_for(problem, device, device_index, own_only=True))
+                    kernel = self._load(self.variant_for(problem, device, device_index, own_only=True), problem,
+                                        device, deterministic)
                 kernel = self._servable(kernel, problem, device, q, k, v, o, deterministic)
                 log.debug("autoflash: %s -> %s", problem.key, kernel)
                 self.kernels[key] = kernel
@@ -198,7 +202,7 @@ class Dispatcher:
         device_index = q.device.index if q.is_cuda else None
         device = gpu_fingerprint(device_index)
         work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
-        key = ("varlen", op, causal, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[3], work,
+        key = ("varlen", op, causal, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[3], v.shape[3], work,
                *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
                deterministic, score)
         kernel = self.kernels.get(key)
@@ -208,7 +212,8 @@ class Dispatcher:
                     self.kernels.clear()
                 problem = Problem(op=op, dtype=dtype_name(q.dtype), head_dim=q.shape[-1], causal=causal,
                                   gqa_group=q.shape[1] // k.shape[1], seqlen_q=seqlen_bucket(max_seqlen_q),
-                                  seqlen_k=seqlen_bucket(max_seqlen_k), work=work, score_variant=score.key or None)
+                                  seqlen_k=seqlen_bucket(max_seqlen_k), work=work, score_variant=score.key or None,
+                                  head_dim_v=_value_dim(q, v.shape[-1]))
                 kernel = self._load(self.variant_for(problem, device, device_index, own_only=True), problem, device,
                                     deterministic)
                 if not kernel.supports_varlen:
@@ -245,16 +250,20 @@ class Dispatcher:
     @staticmethod
     def _load(variant: Variant, problem: Problem, device: GPUFingerprint, deterministic: bool = False) -> Kernel:
         """The variant's kernel (with its family's deterministic knobs when asked: `deterministic_variant`),
-        rendered with the problem's attention variants; where its family computes none (a winner of
-        another family, e.g. the Gluon forward), the op's default."""
+        rendered with the problem's attention variants and value head dim; where its family computes
+        none (a winner of another family, e.g. the Gluon forward), the op's default. A vendor kernel
+        takes a value head dim of its own as torch does (its `unsupported` says where it does not)."""
         if deterministic:
             variant = deterministic_variant(variant, problem, device)
         score = ScoreVariant.from_key(problem.score_variant)
-        if score.plain:
+        value_dim = problem.head_dim_v is not None
+        if score.plain and (not value_dim or load_space(variant.family).vendor):
             return codegen.load(variant)
-        if not load_space(variant.family).vendor and families.host_class(variant.family).serves_score_variants:
-            return codegen.load(variant, score=score)
-        return codegen.load(default_variant(problem.op, problem, device), score=score)
+        if not load_space(variant.family).vendor:
+            host = families.host_class(variant.family)
+            if (score.plain or host.serves_score_variants) and (not value_dim or host.serves_value_dim):
+                return codegen.load(variant, score=score, value_dim=value_dim)
+        return codegen.load(default_variant(problem.op, problem, device), score=score, value_dim=value_dim)
 
     @classmethod
     def _servable(cls, kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k, v, o,
@@ -275,6 +284,11 @@ class Dispatcher:
             if twin.unsupported(q, k, v, o) is None:
                 return twin
         raise InvalidVariant(f"no kernel of {problem.op} takes these tensors: {kernel.unsupported(q, k, v, o)}")
+
+
+def _value_dim(q, head_dim_v: int | None) -> int | None:
+    """The problem's head_dim_v: V's head dim where it is not q's, else None (one key per problem)."""
+    return None if head_dim_v is None or head_dim_v == q.shape[-1] else int(head_dim_v)
 
 
 # Knob values that make a family's kernels bitwise repeatable, for the families whose space also offers

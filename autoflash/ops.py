@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from autoflash.dispatch import get_dispatcher
+from autoflash.validate import output_like
 
 
 @torch.library.custom_op("autoflash::attn_fwd", mutates_args=())
@@ -19,7 +20,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
              causal_offset: int, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (B, H, Nq, D), k/v: (B, H_kv, Nk, D), any strides -> out (q's memory layout), lse (B, H, Nq) fp32.
     deterministic: the backward (`attn_bwd`) is bitwise repeatable (the forward always is)."""
-    out = torch.empty_like(q)  # preserves q's layout: a (B,N,H,D)-strided view gives a (B,N,H,D) buffer
+    out = output_like(q, v)  # preserves q's layout: a (B,N,H,D)-strided view gives a (B,N,H,D) buffer
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     # own kernels only: the lse feeds autoflash's backward (a vendor winner gives none)
     get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True).forward(q, k, v, out, lse, scale, causal,
@@ -29,7 +30,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, scale, causal, causal_offset, deterministic=False):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return output_like(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("autoflash::attn_bwd", mutates_args=())

@@ -27,7 +27,8 @@ GQA_GROUP_MAX = 1 << 16
 WORK_TILE_ROWS = 128
 WORK_MIN, WORK_MAX = -6, 10
 _KEY = re.compile(r"(?P<op>[a-z]+)/(?P<dtype>[a-z0-9]+)/d(?P<d>-?\d+)/(?P<c>causal|full)/g(?P<g>-?\d+)"
-                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?(?:/p(?P<p>-?\d+))?(?:/(?P<s>[a-z+]+))?")
+                  r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?(?:/p(?P<p>-?\d+))?(?:/dv(?P<dv>-?\d+))?"
+                  r"(?:/(?P<s>[a-z+]+))?")
 
 
 def unsupported_head_dim(d: int) -> str | None:
@@ -109,6 +110,10 @@ class Problem:
     # "window+softcap"; each combination is its own kernel, tuned and served on its own). None: plain
     # attention, as every key made before variants existed.
     score_variant: str | None = None
+    # fwd and bwd: V's (and the output's) head dim where it differs from Q's and K's (MLA prefill:
+    # 192/128), a kernel rendered for it, tuned and served on its own. None: V has Q's head dim, as
+    # every key made before value head dims of their own.
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -133,6 +138,12 @@ class Problem:
             if not isinstance(self.score_variant, str) or ScoreVariant.from_key(self.score_variant).key != \
                     self.score_variant or not self.score_variant:
                 raise ValueError(f"score_variant must be a non-empty ScoreVariant key, got {self.score_variant!r}")
+        if self.head_dim_v is not None:
+            if self.op not in ("fwd", "bwd"):
+                raise ValueError(f"head_dim_v (a value head dim of its own) is a forward or backward key, not {self.op!r}")
+            _check_int("head_dim_v", self.head_dim_v, 1, HEAD_DIM_MAX)
+            if self.head_dim_v == self.head_dim:
+                raise ValueError(f"head_dim_v is None when it equals head_dim ({self.head_dim}): one problem, one key")
 
     @property
     def key(self) -> str:
@@ -141,8 +152,9 @@ class Problem:
         work = "" if self.work is None else f"/w{self.work}"
         page = "" if self.page is None else f"/p{self.page}"
         score = "" if self.score_variant is None else f"/{self.score_variant}"
+        value = "" if self.head_dim_v is None else f"/dv{self.head_dim_v}"
         return (f"{self.op}/{self.dtype}/d{self.head_dim}/{c}/g{self.gqa_group}"
-                f"/q{self.seqlen_q}/k{self.seqlen_k}{work}{page}{score}")
+                f"/q{self.seqlen_q}/k{self.seqlen_k}{work}{page}{value}{score}")
 
     @classmethod
     def from_key(cls, key: str) -> "Problem":
@@ -154,12 +166,13 @@ class Problem:
         if m is None:
             raise ValueError(f"malformed problem key {key!r}: expected "
                              "'op/dtype/d<head_dim>/causal|full/g<gqa>/q<bucket>/k<bucket>[/w<work>][/p<page>]"
-                             "[/<score variant, e.g. window+softcap>]'")
+                             "[/dv<value head dim>][/<score variant, e.g. window+softcap>]'")
         try:
             problem = cls(op=m["op"], dtype=m["dtype"], head_dim=int(m["d"]), causal=(m["c"] == "causal"),
                           gqa_group=int(m["g"]), seqlen_q=int(m["q"]), seqlen_k=int(m["k"]),
                           work=None if m["w"] is None else int(m["w"]),
-                          page=None if m["p"] is None else int(m["p"]), score_variant=m["s"])
+                          page=None if m["p"] is None else int(m["p"]), score_variant=m["s"],
+                          head_dim_v=None if m["dv"] is None else int(m["dv"]))
         except ValueError as e:
             raise ValueError(f"invalid problem key {key!r}: {e}") from None
         if problem.key != key:  # e.g. leading zeros: one problem, one key

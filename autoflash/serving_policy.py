@@ -67,8 +67,9 @@ class Evidence:
             if not entry.complete:
                 continue
             p = Problem.from_key(key)
-            if (p.op, p.dtype, p.causal, p.page, p.score_variant) != (problem.op, problem.dtype, problem.causal,
-                                                                       problem.page, problem.score_variant):
+            if (p.op, p.dtype, p.causal, p.page, p.score_variant, p.head_dim_v is None) != (
+                    problem.op, problem.dtype, problem.causal, problem.page, problem.score_variant,
+                    problem.head_dim_v is None):  # (MLA-like problems measured apart from the others)
                 continue
             distance = distance_between(p, problem)
             if distance < best_distance or (distance == best_distance and key < best[0]):

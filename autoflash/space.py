@@ -263,10 +263,10 @@ class Space:
 
 
 def problem_names(problem: Problem) -> dict:
-    block_d = 16
-    while block_d < problem.head_dim:
-        block_d *= 2
+    head_dim_v = problem.head_dim if problem.head_dim_v is None else problem.head_dim_v
+    block_d, block_dv = (1 << max(4, (d - 1).bit_length()) for d in (problem.head_dim, head_dim_v))
     return dict(head_dim=problem.head_dim, BLOCK_D=block_d, elem_bytes=ELEM_BYTES[problem.dtype],
+                head_dim_v=head_dim_v, BLOCK_DV=block_dv,  # V's (= head_dim but for MLA-like problems)
                 causal=problem.causal, gqa_group=problem.gqa_group,
                 seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k,
                 # occupancy bucket (problem.work_bucket); a key without one: plenty of work, as the

@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from autoflash.validate import output_like
+
 
 class TrainingPair:
     """autoflash's forward and backward kernels for one training call signature (the API's memo
@@ -39,7 +41,7 @@ class TrainingPair:
                 if self.fallback_forward is None:
                     raise
                 self.forward_kernel = self.fallback_forward(q, k, v)
-        out = torch.empty_like(q)  # q's memory layout
+        out = output_like(q, v)  # q's memory layout
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         if self._forward_launch:
             self._forward_launch(q, k, v, out, lse)

@@ -134,16 +134,30 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = Fa
     if interpreter_enabled() and (numpy_problem := interpreter_numpy_problem()):
         return numpy_problem
     d, dv = q.shape[-1], v.shape[-1]
-    if dv != d:
-        return f"a value head dim ({dv}) different from the query head dim ({d}) is not supported"
     if reason := unsupported_head_dim(d):
         return reason
+    if dv != d and (reason := unsupported_head_dim(dv)):  # (V's own head dim: MLA-like, e.g. 192/128)
+        return f"value {reason}"
+
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor (zero batch, heads, sequence or head dim)"
     if training:
         sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         return unsupported_training_scale(sm_scale, d, str(q.dtype).removeprefix("torch."))
     return None
+
+
+def output_like(q, v):
+    """An uninitialised output for a (B, H, N, D) call: q's shape with V's head dim, in q's memory
+    layout (a (B, N, H, D) tensor seen through `.transpose(1, 2)` gives one laid out the same way)."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)
+    shape = (*q.shape[:-1], v.shape[-1])
+    if q.stride(-1) != 1:
+        return q.new_empty(shape)
+    order = sorted(range(q.dim() - 1), key=lambda i: -q.stride(i)) + [q.dim() - 1]  # outermost first
+    out = q.new_empty([shape[i] for i in order])
+    return out.permute([order.index(i) for i in range(q.dim())])
 
 
 def needs_autograd(*tensors) -> bool:

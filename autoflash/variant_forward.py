@@ -17,7 +17,7 @@ from autoflash.dispatch import get_dispatcher
 from autoflash.kernel_cache import KernelCacheError
 from autoflash.problem import LOG2E
 from autoflash.score_variant import ScoreArgs
-from autoflash.validate import unsupported_reason
+from autoflash.validate import output_like, unsupported_reason
 
 _FLOAT32_MAX = 3.4e38
 
@@ -61,7 +61,7 @@ def serve(q, k, v, dropout_p, scale, causal: bool, offset: int, score: ScoreArgs
             return variant_training.attention(q, k, v, sm_scale, causal, offset, score, deterministic), None
         except KernelCacheError as e:
             return None, f"no usable kernel cache ({e})"
-    out = torch.empty_like(q)  # q's memory layout: (B, N, H, D) inputs, no copy
+    out = output_like(q, v)  # q's memory layout: (B, N, H, D) inputs, no copy
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     try:
         kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True, score=score.variant)
@@ -80,7 +80,7 @@ def serve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, longest_q: int, longest_k:
     if why is not None:
         return None, why
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = torch.empty_like(q)
+    out = output_like(q, v)
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     try:
         kernel = get_dispatcher().varlen_kernel_for(*views, out.unsqueeze(0).transpose(1, 2), causal, "fwd",

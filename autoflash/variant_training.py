@@ -16,6 +16,7 @@ import torch
 from autoflash.dispatch import get_dispatcher
 from autoflash.score_variant import ScoreArgs
 from autoflash.training import first_order
+from autoflash.validate import output_like
 
 
 def sinks_gradient(sinks: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -33,7 +34,7 @@ class VariantAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, score: ScoreArgs, sm_scale: float, causal: bool, offset: int,
                 deterministic: bool):
-        out = torch.empty_like(q)  # q's memory layout
+        out = output_like(q, v)  # q's memory layout
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True, score=score.variant)
         kernel.forward(q, k, v, out, lse, sm_scale, causal, offset, score_args=score)

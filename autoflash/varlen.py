@@ -29,7 +29,7 @@ from autoflash.flash_attn import flash_attn_func
 from autoflash.score_variant import PLAIN, ScoreArgs
 from autoflash.training import first_order
 from autoflash.validate import (check_alibi, check_flag, check_numbers, check_softcap, check_window,
-                                deterministic_backward, needs_autograd, unsupported_reason)
+                                deterministic_backward, needs_autograd, output_like, unsupported_reason)
 
 
 def _packed_views(*tensors):
@@ -46,7 +46,7 @@ class VarlenAttention(torch.autograd.Function):
         """score: the attention variants' values (windows, softcap, ALiBi; None: plain), rendered into
         both kernels (no gradient: slopes and softcap get none, as flash-attn's)."""
         variant = PLAIN if score is None else score.variant
-        out = torch.empty_like(q)
+        out = output_like(q, v)
         lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
         kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, out), causal, "fwd", max_q, max_k,
                                                     score=variant)

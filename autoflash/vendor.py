@@ -82,6 +82,11 @@ class SdpaKernel:
             return f"the {self.backend} backend is not offered on {q.device.type} tensors here"
         if self.backend != "math" and any(t.stride(-1) != 1 or t.data_ptr() % 16 for t in (q, k, v)):
             return "torch's fused SDPA backends need a unit last stride and 16-byte aligned tensors"
+        if v.shape[-1] != q.shape[-1]:  # (MLA-like: torch's flash backend refuses it, cuDNN and efficient take it)
+            if self.backend == "flash":
+                return "torch's flash backend needs V of the query's head dim"
+            if not self.whole_pair:
+                return "the SDPA halves of a training pair are wired for one head dim"
         return None
 
     def attention(self, q, k, v, sm_scale: float, causal: bool, causal_offset: int = 0) -> torch.Tensor:

@@ -121,10 +121,10 @@ class WinnerTable:
         best, best_distance = None, math.inf
         for key, variant in rows.items():
             p = Problem.from_key(key)
-            if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group, p.page, p.score_variant) != (
+            if (p.op, p.dtype, p.head_dim, p.causal, p.gqa_group, p.page, p.score_variant, p.head_dim_v) != (
                     problem.op, problem.dtype, problem.head_dim, problem.causal, problem.gqa_group, problem.page,
-                    problem.score_variant):
-                continue  # (a paged cache's block size, or attention variants, are never bridged: another kernel)
+                    problem.score_variant, problem.head_dim_v):
+                continue  # (a paged cache's block size, attention variants or V's head dim are never bridged)
             work = work_distance(p.work, problem.work)
             if p.work is not None and work > NEAREST_WORK_MAX:
                 continue  # another occupancy regime: the shape's default beats a big-batch winner

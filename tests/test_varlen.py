@@ -212,15 +212,15 @@ def test_no_query_or_no_key_at_all_gives_zeros_and_zero_gradients():
 
 
 @pytest.mark.interpreter
-def test_a_value_head_dim_other_than_the_query_one_falls_back_per_sequence():
-    """The packed kernels need one head dim: v of another one goes through flash_attn_func's
-    fallback (torch SDPA), with its warning, and gives the right shape and values."""
+def test_a_value_head_dim_other_than_the_query_one_is_served_packed(monkeypatch):
+    """The packed kernels take v of its own head dim (MLA-like; no fallback under AUTOFLASH_STRICT=1):
+    the right shape and values."""
     lens = (3, 5)
     q, k = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
     v = torch.randn(8, 2, 8)
-    api.reset()  # (each fallback reason warns once per process)
-    with pytest.warns(api.FallbackWarning):
-        out = autoflash.flash_attn_varlen_func(q, k, v, cu(lens), cu(lens), 5, 5)
+    api.reset()
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    out = autoflash.flash_attn_varlen_func(q, k, v, cu(lens), cu(lens), 5, 5)
     assert out.shape == (8, 2, 8)
     for a, b in ((0, 3), (3, 8)):
         ref = torch.nn.functional.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)))

@@ -36,13 +36,18 @@ class Family(abc.ABC):
     op: ClassVar[str]  # "fwd" | "bwd" | "decode"
     supports_varlen: ClassVar[bool] = False  # `launch_varlen` takes packed variable-length sequences
     serves_score_variants: ClassVar[bool] = False  # renders and launches `score_variant` hooks
+    # renders VALUE_DIM: V, O and dO with a head dim other than Q's and K's (MLA), launched as such
+    serves_value_dim: ClassVar[bool] = False
 
-    def __init__(self, knobs: dict, kernels: ModuleType, score: ScoreVariant = PLAIN):
+    def __init__(self, knobs: dict, kernels: ModuleType, score: ScoreVariant = PLAIN, value_dim: bool = False):
         if not score.plain and not self.serves_score_variants:
             raise ValueError(f"{self.name} computes no attention variants (asked for {score.key!r})")
+        if value_dim and not self.serves_value_dim:
+            raise ValueError(f"{self.name} takes no value head dim other than the query's")
         self.knobs = dict(knobs)
         self.kernels = kernels
         self.score = score
+        self.value_dim = value_dim  # rendered with VALUE_DIM: takes V's head dim from v's shape
 
     @property
     def uses_tma(self) -> bool:
@@ -52,6 +57,14 @@ class Family(abc.ABC):
 
     def supports(self, q, k, v, o) -> str | None:
         """Why these (B, H, N, D) tensors cannot be taken (beyond TMA alignment), or None."""
+        return self.value_dim_refusal(q, v)
+
+    def value_dim_refusal(self, q, v) -> str | None:
+        """A kernel rendered with VALUE_DIM takes only V of another head dim than Q's, one rendered
+        without it only V of Q's: else the reason."""
+        if (v.shape[-1] != q.shape[-1]) != self.value_dim:
+            return (f"{self.name} rendered {'with' if self.value_dim else 'without'} a value head dim of its own "
+                    f"got V of head dim {v.shape[-1]} for Q of {q.shape[-1]}")
         return None
 
 

@@ -37,7 +37,13 @@ class TritonBackward(BackwardFamily):
     name = "triton_bwd"
     supports_varlen = True
     serves_score_variants = True
+    serves_value_dim = True  # (the Triton kernels; the Gluon dK/dV kernel takes one head dim)
     max_grid_axis = MAX_GRID_AXIS  # (a test lowers it to exercise the windows of packed sequences)
+
+    def supports(self, q, k, v, o):
+        if self.value_dim and self.knobs["GQA_SPLIT"] > 1:  # (the partial-sum buffers have one width)
+            return "a GQA split with a value head dim of its own"
+        return super().supports(q, k, v, o)
 
     def grid(self, blocks: int, heads: int) -> tuple[int, int]:
         return (blocks, heads) if self.knobs["GRID_ORDER"] == "kv_major" else (heads, blocks)
@@ -90,6 +96,7 @@ class TritonBackward(BackwardFamily):
         heads, rows, head_dim = q.shape[1], q.shape[2], q.shape[3]
         heads_kv = k.shape[1]
         block_d = head_block(head_dim)
+        head_dim_v = v.shape[3]  # (MLA: V, O, dO and dV have their own head dim, `value_dim`)
         precision = dot_precision(q.dtype)
         varlen = cu_q is not None
         split = kn["GQA_SPLIT"]
@@ -103,9 +110,11 @@ class TritonBackward(BackwardFamily):
         # delta is a row-wise product: packed sequences are just rows of one batch entry here.
         call(kernels._bwd_preprocess, (triton.cdiv(rows, PREPROCESS_BLOCK), q.shape[0] * heads),
              o, do, delta, *o.stride(), *do.stride(), heads, rows,
-             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK)
+             HEAD_DIM=head_dim_v, BLOCK_D=head_block(head_dim_v), BLOCK_M=PREPROCESS_BLOCK)
         common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, DOT_PRECISION=precision, VARLEN=varlen,
                       num_warps=kn["num_warps"], num_stages=kn["num_stages"])
+        if self.value_dim:
+            common.update(HEAD_DIM_V=head_dim_v, BLOCK_DV=head_block(head_dim_v))
         stride_lz, stride_lh = lse.stride(0), lse.stride(1)
         dq_acc = None
         if kn["DQ_MODE"] != "separate":
@@ -126,7 +135,7 @@ class TritonBackward(BackwardFamily):
         if kn["DKDV_KERNEL"] == "gluon_sm90":
             from autoflash.families.triton_bwd import gluon_dkdv as gluon
 
-            gluon_dkdv = not varlen and self.score.plain and gluon.refusal(q, k, v, do, dk, dv) is None
+            gluon_dkdv = not varlen and self.score.plain and not self.value_dim and gluon.refusal(q, k, v, do, dk, dv) is None
         for first in range(0, batch, per_launch):
             window = min(per_launch, batch - first)
             cu_qw, cu_kw = (cu_q[first:], cu_k[first:]) if varlen else (None, None)

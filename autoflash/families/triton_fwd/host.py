@@ -16,7 +16,13 @@ class TritonForward(ForwardFamily):
     name = "triton_fwd"
     supports_varlen = True
     serves_score_variants = True
+    serves_value_dim = True
     max_grid_axis = MAX_GRID_AXIS  # (a test lowers it to exercise the split launches)
+
+    def supports(self, q, k, v, o):
+        if self.value_dim and self.knobs["LOADS"] == "block_ptr":  # (the value tile is written for the others)
+            return "block-pointer loads with a value head dim of its own"
+        return super().supports(q, k, v, o)
 
     def grid(self, batch: int, heads: int, n_q: int) -> tuple[int, int]:
         blocks_m = triton.cdiv(n_q, self.knobs["BLOCK_M"])
@@ -53,6 +59,8 @@ class TritonForward(ForwardFamily):
         if self.knobs["HEAD_SPLIT"]:  # d = BLOCK_DA + (the rest padded to a power of two >= 16)
             block_da = 1 << (head_dim.bit_length() - 1)
             split = dict(BLOCK_DA=block_da, BLOCK_DB=triton.next_power_of_2(max(head_dim - block_da, 16)))
+        if self.value_dim:  # V and O: their own head dim, one block padded to a power of two
+            split.update(HEAD_DIM_V=v.shape[3], BLOCK_DV=head_block(v.shape[3]))
         kernel = self.kernels._attn_fwd
         (kernel.warmup if compile_only else kernel.run)(
             q, k, v, o, lse, cu_q, cu_k,

@@ -9,7 +9,6 @@ silently; with AUTOFLASH_STRICT=1 each fallback raises `FallbackError` instead.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -21,7 +20,7 @@ from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict
 from autoflash.reference import torch_sdpa
 from autoflash.sdpa_args import check_sdpa_numbers, check_sdpa_tensors, kernel_views, numbers_reason, sdpa_batch
 from autoflash.validate import (check_sdpa_kinds, deterministic_backward, needs_autograd, output_like,
-                                unsupported_reason)
+                                softmax_scale_or_default, unsupported_reason)
 
 
 
@@ -37,14 +36,14 @@ def forward_with_lse(q, k, v, causal: bool = False, causal_offset: int = 0, scal
     if out is None:
         out = output_like(q, v)  # q's memory layout (see flash_attn_func)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale_or_default(scale, q.shape[-1])
     get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True).forward(q, k, v, out, lse, sm_scale, causal,
                                                                               causal_offset)
     return out, lse
 
 
 # The API's memos: a call's signature -> plan(q, k, v) -> out, one for inference calls and one for
-# differentiable ones. A repeated call with the same signature launches at once (`_repeat_call`).
+# differentiable ones. A repeated call with the same signature launches at once (`repeat_call`).
 inference_plans: dict[tuple, object] = {}
 training_plans: dict[tuple, object] = {}
 PLAN_MEMOS = [inference_plans, training_plans, decode_kernels.decode_plans]
@@ -71,7 +70,7 @@ def _memoizable(q, scale) -> bool:
     return getattr(q, "is_cuda", False) or interpreter_enabled()
 
 
-def _repeat_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0, deterministic: bool = False):
+def repeat_call(q, k, v, causal: bool, scale, enable_gqa: bool, causal_offset: int = 0, deterministic: bool = False):
     """The host fast path: a call whose exact signature was planned before launches its kernels
     directly (no validation, no dispatcher lookup). None when the call is new or being traced by
     torch.compile: the full path handles those."""
@@ -99,11 +98,11 @@ def _remember(plans: dict, q, k, v, causal, scale, enable_gqa, causal_offset, pl
     plans[_signature(q, k, v, causal, scale, enable_gqa, causal_offset, deterministic)] = plan
 
 
-def _run(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool, deterministic: bool = False):
+def run_planned(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bool, deterministic: bool = False):
     """The planned kernel call on (B, H, N, D) views: output in q's memory layout, differentiable
-    when needed. The call stores its plan for `_repeat_call`. deterministic: as flash-attn's (torch's
+    when needed. The call stores its plan for `repeat_call`. deterministic: as flash-attn's (torch's
     deterministic-algorithms setting asks for it too)."""
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale_or_default(scale, q.shape[-1])
     own_only = causal and causal_offset != 0  # a vendor kernel's causal mask is top-left only
     training = needs_autograd(q, k, v)
     deterministic = training and deterministic_backward(deterministic)
@@ -254,7 +253,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     """
     if (attn_mask is None and type(dropout_p) in (int, float) and not dropout_p
             and type(is_causal) is bool and type(enable_gqa) is bool):
-        out = _repeat_call(query, key, value, is_causal, scale, enable_gqa)
+        out = repeat_call(query, key, value, is_causal, scale, enable_gqa)
         if out is not None:
             return out
     check_sdpa_kinds(is_causal, enable_gqa)
@@ -271,9 +270,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if reason is None:
         try:
             # (a numpy or tensor scale as the number torch reads: the plan memo takes plain numbers)
-            out = _repeat_call(q, k, v, is_causal, sm_scale, enable_gqa)
+            out = repeat_call(q, k, v, is_causal, sm_scale, enable_gqa)
             if out is None:
-                out = _run(q, k, v, is_causal, 0, sm_scale, enable_gqa)
+                out = run_planned(q, k, v, is_causal, 0, sm_scale, enable_gqa)
             return out if out.shape == (*batch, *out.shape[-2:]) else out.reshape(*batch, *out.shape[-2:])
         except KernelCacheError as e:  # nowhere to write kernels: the call still gets its answer
             reason = f"no usable kernel cache ({e})"

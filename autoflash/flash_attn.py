@@ -11,7 +11,6 @@ reason, never without the argument.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -22,7 +21,8 @@ from autoflash.kernel_cache import KernelCacheError
 from autoflash.reference import sdpa_attention
 from autoflash.score_variant import ScoreArgs
 from autoflash.validate import (check_alibi, check_flag, check_heads, check_numbers, check_softcap, check_tensors,
-                                check_window, deterministic_backward, needs_autograd, unsupported_reason)
+                                check_window, deterministic_backward, needs_autograd, softmax_scale_or_default,
+                                unsupported_reason)
 
 LAYOUT = "(batch, seqlen, heads, head_dim)"
 
@@ -128,7 +128,7 @@ def _planned_heads_first(q, k, v, softmax_scale, causal, deterministic: bool = F
     before: its output (B, N, H, D) contiguous; None for a new call."""
     if type(causal) is not bool:
         return None
-    out = api._repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2], deterministic)
+    out = api.repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2], deterministic)
     return None if out is None else out.transpose(1, 2).contiguous()
 
 
@@ -154,7 +154,7 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
     variants = [name for name, used in (("window_size", window != (-1, -1)), ("softcap", softcap > 0),
                                         ("alibi_slopes", alibi_slopes is not None))
                 if used]
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale_or_default(scale, q.shape[-1])
     if variants:
         score, why = ScoreArgs(window, softcap, alibi_slopes), "not served by the kernels yet"
         if not score.variant.plain:  # the generated kernels compute them (and their backward)
@@ -171,7 +171,7 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
             if return_lse and not training:
                 return api.forward_with_lse(q, k, v, causal, offset, scale)
             # The kernels write the output in q's memory layout: (B, N, H, D) inputs, no copy.
-            out = api._run(q, k, v, causal, offset, scale, True, deterministic)
+            out = api.run_planned(q, k, v, causal, offset, scale, True, deterministic)
             if not return_lse:
                 return out, None
             with torch.no_grad():  # (the differentiable path keeps its LSE inside: one more forward)

@@ -142,9 +142,14 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = Fa
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor (zero batch, heads, sequence or head dim)"
     if training:
-        sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        sm_scale = softmax_scale_or_default(scale, d)
         return unsupported_training_scale(sm_scale, d, str(q.dtype).removeprefix("torch."))
     return None
+
+
+def softmax_scale_or_default(scale, head_dim: int) -> float:
+    """The softmax scale a call asked for, as a float, or the usual 1/sqrt(head_dim) when it asked for none."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 def output_like(q, v):

@@ -9,7 +9,6 @@ backward family's kernel rendered with the same variants (`autoflash.variant_tra
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -17,7 +16,7 @@ from autoflash.dispatch import get_dispatcher
 from autoflash.kernel_cache import KernelCacheError
 from autoflash.problem import LOG2E
 from autoflash.score_variant import ScoreArgs
-from autoflash.validate import output_like, unsupported_reason
+from autoflash.validate import output_like, softmax_scale_or_default, unsupported_reason
 
 _FLOAT32_MAX = 3.4e38
 
@@ -38,7 +37,7 @@ def unsupported(q, k, v, dropout_p, scale, score: ScoreArgs, training: bool) -> 
     if score.alibi_slopes is not None and not score.alibi_slopes.dtype.is_floating_point:
         return f"alibi_slopes of dtype {score.alibi_slopes.dtype} (the kernels take float slopes)"
     if score.softcap > 0:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        sm_scale = softmax_scale_or_default(scale, q.shape[-1])
         if not (sm_scale / score.softcap * 2 * LOG2E < _FLOAT32_MAX and score.softcap * LOG2E < _FLOAT32_MAX):
             return f"a softcap of {score.softcap!r} with a softmax scale of {sm_scale:.3g} is outside float32's range"
     return None
@@ -53,7 +52,7 @@ def serve(q, k, v, dropout_p, scale, causal: bool, offset: int, score: ScoreArgs
     why = unsupported(q, k, v, dropout_p, scale, score, training)
     if why is not None:
         return None, why
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale_or_default(scale, q.shape[-1])
     if training:
         from autoflash import variant_training
 
@@ -79,7 +78,7 @@ def serve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, longest_q: int, longest_k:
     why = unsupported(*views, 0.0, scale, score, training=False)
     if why is not None:
         return None, why
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale_or_default(scale, q.shape[-1])
     out = output_like(q, v)
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     try:

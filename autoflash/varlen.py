@@ -18,7 +18,6 @@ without float32 atomics. A paged K/V (`block_table`) is gathered into packed ten
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -29,7 +28,8 @@ from autoflash.flash_attn import flash_attn_func
 from autoflash.score_variant import PLAIN, ScoreArgs
 from autoflash.training import first_order
 from autoflash.validate import (check_alibi, check_flag, check_numbers, check_softcap, check_window,
-                                deterministic_backward, needs_autograd, output_like, unsupported_reason)
+                                deterministic_backward, needs_autograd, output_like, softmax_scale_or_default,
+                                unsupported_reason)
 
 
 def _packed_views(*tensors):
@@ -202,14 +202,14 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, caus
             if served is not None:  # (else sequence by sequence: flash_attn_func says why, once per reason)
                 return served[0], (served[1] if return_lse else None)
         elif variant_forward.unsupported(*_packed_views(q, k, v), 0.0, softmax_scale, score, training=True) is None:
-            sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+            sm_scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
             out, lse = VarlenAttention.apply(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest_q,
                                              longest_k, sm_scale, causal, deterministic, score)
             return out, (lse if return_lse else None)
     if extras or not _kernels_take(q, k, v, softmax_scale):
         return _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal, {**extras, "deterministic": deterministic},
                              return_lse)
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    sm_scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     # The grid spans the longest sequences actually present (max_seqlen_* may be larger).
     out, lse = VarlenAttention.apply(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), longest_q,
                                      longest_k, sm_scale, causal, deterministic)

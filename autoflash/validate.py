@@ -138,8 +138,7 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = Fa
         return reason
     if dv != d and (reason := unsupported_head_dim(dv)):  # (V's own head dim: MLA-like, e.g. 192/128)
         return f"value {reason}"
-
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return "an empty tensor (zero batch, heads, sequence or head dim)"
     if training:
         sm_scale = softmax_scale_or_default(scale, d)

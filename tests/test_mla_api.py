@@ -119,6 +119,14 @@ def test_a_value_head_dim_the_kernels_cannot_take_is_named():
         autoflash.attention(q, k, v)
 
 
+def test_a_value_of_head_dim_zero_gets_an_empty_answer_not_an_internal_error():
+    """flash-attn's form: V of head dim 0 is an empty tensor, handed to torch like every other one (an
+    empty answer; a FallbackError naming it under AUTOFLASH_STRICT=1), not a ValueError from inside."""
+    q, k, v = rand(1, 5, 2, 64, seed=15), rand(1, 7, 2, 64, seed=16), rand(1, 7, 2, 0, seed=17)
+    with pytest.raises(FallbackError, match="empty tensor"):
+        autoflash.flash_attn_func(q, k, v)
+
+
 def test_attention_variants_with_a_value_head_dim():
     """A window, a softcap and ALiBi rendered together with the value head dim: forward and backward."""
     from autoflash.eager import eager_attention

@@ -170,9 +170,8 @@ class Dispatcher:
             device = gpu_fingerprint(device_index)
             problem = self.problem_for(q, k, causal, op, device.sm_count, score, v.shape[-1])
             with self._lock:
-                if os.environ.get("AUTOFLASH_RECORD") and score.plain and problem.head_dim_v is None:
-                    # (shape sets hold plain problems of one head dim)
-                    self._record(q, k, problem)
+                if os.environ.get("AUTOFLASH_RECORD") and score.plain:
+                    self._record(q, k, problem)  # (shape sets hold plain problems, V's own head dim included)
                 tune = (problem.key not in self.winners(device, device_index).rows
                         and self._claim_tune_on_miss(problem, q))
             if tune:  # (a tune takes minutes: outside the lock)
@@ -231,7 +230,8 @@ class Dispatcher:
         from autoflash.shapes import NotAShapeSet, record_shape
 
         shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
-                      seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype)
+                      seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype,
+                      head_dim_v=problem.head_dim_v)
         path = os.environ["AUTOFLASH_RECORD"]
         if shape in self._recorded or path in self._refused_record:
             return

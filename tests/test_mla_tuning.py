@@ -168,3 +168,31 @@ def test_tune_stores_value_head_dim_winners_and_which_serves_them(tmp_path):
         assert r.exit_code == 0, r.output
         text = " ".join(r.output.split())
         assert "exact" in text and "own" in text and str(db.name) in text, text
+
+
+@pytest.mark.interpreter
+def test_a_recorded_value_head_dim_call_is_a_shape_to_tune(tmp_path, monkeypatch):
+    from autoflash.dispatch import Dispatcher
+
+    record = tmp_path / "recorded.toml"
+    monkeypatch.setenv("AUTOFLASH_RECORD", str(record))
+    q, k, v = torch.randn(1, 2, 37, 64), torch.randn(1, 2, 37, 64), torch.randn(1, 2, 37, 32)
+    Dispatcher(winner_paths=[]).kernel_for(q, k, v, torch.empty(1, 2, 37, 32), True)
+    (shape,) = load_shape_set(str(record))
+    assert (shape.head_dim, shape.head_dim_v, shape.causal) == (64, 32, True)
+
+
+@pytest.mark.interpreter
+def test_bench_times_value_head_dim_shapes(tmp_path):
+    from autoflash.bench import sdpa_backends
+
+    shapes, out = tmp_path / "mla.toml", tmp_path / "bench.json"
+    shapes.write_text(MLA_TOML)
+    r = CliRunner().invoke(cli, ["bench", "--interpret", "--shapes", str(shapes), "--rounds", "1", "--json", str(out)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())
+    assert {row["impl"] for row in rows} >= {"autoflash", "autoflash-own"}
+    assert all(row["head_dim"] == 64 and row["head_dim_v"] == 32 and row["fwd_tflops"] for row in rows), rows
+    # SDPA's flash backend refuses D_v != D_qk: its efficient one stands beside cuDNN for such shapes
+    assert sdpa_backends([MLA]) == ("cudnn", "flash", "efficient") and sdpa_backends([PLAIN]) == ("cudnn", "flash")

@@ -196,3 +196,27 @@ def test_bench_times_value_head_dim_shapes(tmp_path):
     assert all(row["head_dim"] == 64 and row["head_dim_v"] == 32 and row["fwd_tflops"] for row in rows), rows
     # SDPA's flash backend refuses D_v != D_qk: its efficient one stands beside cuDNN for such shapes
     assert sdpa_backends([MLA]) == ("cudnn", "flash", "efficient") and sdpa_backends([PLAIN]) == ("cudnn", "flash")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_sdpa_backends_that_refuse_a_value_head_dim_are_unsupported_not_failed(tmp_path, monkeypatch, op):
+    """torch's flash backend takes no D_v != D_qk (nor do the SDPA halves of a training pair): such a
+    vendor candidate is recorded `unsupported`; a backend that takes it (the CPU's math one here) is
+    gated and measured like any other. (Vendor kernels sit out interpreted runs: let them compete.)"""
+    from autoflash.tuning import tuner
+    from autoflash.tuning.tuner import TuneOptions
+    from autoflash.tuning.workers import tune
+
+    monkeypatch.setattr(tuner, "competes", lambda family, interpret: True)
+    store = Store(tmp_path / "t.db")
+    shape = dataclasses.replace(MLA, dtype="float32", op=op)
+    tune([shape], store, TuneOptions(trials=1, interpret=True))
+    family = f"sdpa_{op}"
+    vendor = [r for r in store.db["trials"].rows if r["template_hash"] == codegen.template_hash(family)]
+    assert vendor
+    for row in vendor:
+        variant = load_space(family).check_declared(json.loads(row["variant"]))
+        takes = variant["BACKEND"] != "flash" and (op == "fwd" or variant.as_dict().get("FORWARD", "sdpa") == "sdpa"
+                                                    and variant.as_dict().get("BACKWARD", "sdpa") == "sdpa")
+        assert row["status"] == ("ok" if takes else "unsupported"), (row["variant"], row["status"], row["message"])

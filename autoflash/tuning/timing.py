@@ -153,6 +153,8 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
         return lambda: kernel.decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, table, sm_count=sm_count)
     if not kernel.takes_causal_offset(shape.causal, off):
         raise ValueError(f"{kernel.family} cannot take causal offset {off}")
+    # (an output's shape for the check: q where V has its head dim, as always)
+    require_supported(kernel, q, k, v, q if v.shape[3] == q.shape[3] else q.new_empty((*q.shape[:3], v.shape[3])))
     if kernel.op == "bwd":
         grad = output_grad(shape, q.device, seed=4321)  # (B, H, N, D_v)
         require_supported(kernel, q, k, v, grad)

@@ -58,9 +58,21 @@ def versus_best_sdpa(rows: list[BenchRow], method: str = "autoflash") -> str:
             f"lowest {low:.3f} ({where}), {sum(x < 0.98 for x, _ in ratios)} of {len(ratios)} below 0.98")
 
 
+def sdpa_backends(shapes: list[Shape]) -> tuple[str, ...]:
+    """The SDPA backends a bench times: cuDNN and flash, and the efficient backend where a shape's V
+    has a head dim of its own (torch's flash backend refuses those: cuDNN and efficient take them)."""
+    return SDPA_BACKENDS + (("efficient",) if any(s.head_dim_v is not None for s in shapes) else ())
+
+
 def _variant_fn(variant: Variant, shape: Shape, q, k, v, template_file=None) -> Callable[[], None]:
     """Raises ValueError for a TMA variant on TMA-incompatible tensors."""
-    kernel = codegen.load(variant, template_file)
+    if shape.head_dim_v is not None and template_file is None:  # (rendered for V's head dim as the dispatcher serves it)
+        from autoflash.device import gpu_fingerprint
+        from autoflash.dispatch import Dispatcher
+
+        kernel = Dispatcher._load(variant, shape.problem, gpu_fingerprint(q.device.index if q.is_cuda else None))
+    else:
+        kernel = codegen.load(variant, template_file)
     return launch_callable(kernel, shape, q, k, v, causal_offset_for(shape, "top_left"))
 
 
@@ -176,7 +188,7 @@ def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "autoflash-own", "sdpa
         if progress:
             progress(shape.label())
         q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=7))
-        grad = torch.randn_like(q)
+        grad = torch.randn((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (the output's: D_v)
         fns = {m: _fwdbwd_fn(m, shape, q, k, v, grad) for m in methods}  # (each called once)
         if rounds == 0:  # (compiling ahead: `bench_warm`)
             continue
@@ -359,7 +371,7 @@ def json_rows(rows: list[BenchRow], methods: list[str], metric: str, device) -> 
     dispatched implementation's rows also say what it ran (`served`)."""
     out = []
     for r in rows:
-        shape = dataclasses.asdict(r.shape)
+        shape = r.shape.as_dict()
         shape.pop("op", None)
         for m in methods:
             tf = r.tflops(m)

@@ -100,6 +100,13 @@ def load(variant: Variant, template_file: str | os.PathLike | None = None, score
         return kernel
 
 
+def load_for(variant: Variant, head_dim_v: int | None) -> "Kernel":
+    """The kernel a tuning run or bench measures for a problem: rendered with VALUE_DIM where V has a
+    head dim of its own (`head_dim_v` set), as the dispatcher serves it; a vendor kernel takes such V
+    as torch does, with nothing rendered. An own family that renders no VALUE_DIM raises ValueError."""
+    return load(variant, value_dim=head_dim_v is not None and not load_space(variant.family).vendor)
+
+
 @contextlib.contextmanager
 def interpreter_off():
     """Import and compile kernels for the GPU while TRITON_INTERPRET is set (Gluon kernels never

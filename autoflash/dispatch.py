@@ -85,8 +85,8 @@ class Dispatcher:
             return False
         if problem.key in self._tuned_on_miss or torch.compiler.is_compiling():
             return False
-        if problem.score_variant is not None or problem.head_dim_v is not None:
-            return False  # (the tuner measures plain attention of one head dim only, so far)
+        if problem.score_variant is not None:
+            return False  # (the tuner measures plain attention only, so far: V of its own head dim included)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         self._tuned_on_miss.add(problem.key)
@@ -99,7 +99,7 @@ class Dispatcher:
         never the model's call."""
         shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
                       seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype,
-                      op=problem.op)
+                      op=problem.op, head_dim_v=problem.head_dim_v)
         log.info("autoflash: tuning %s on first use (AUTOFLASH_TUNE_ON_MISS=1)", problem.key)
         try:
             if _miss_hook is not None:
@@ -170,9 +170,8 @@ class Dispatcher:
             device = gpu_fingerprint(device_index)
             problem = self.problem_for(q, k, causal, op, device.sm_count, score, v.shape[-1])
             with self._lock:
-                if os.environ.get("AUTOFLASH_RECORD") and score.plain and problem.head_dim_v is None:
-                    # (shape sets hold plain problems of one head dim)
-                    self._record(q, k, problem)
+                if os.environ.get("AUTOFLASH_RECORD") and score.plain:
+                    self._record(q, k, problem)  # (shape sets hold plain problems, V's own head dim included)
                 tune = (problem.key not in self.winners(device, device_index).rows
                         and self._claim_tune_on_miss(problem, q))
             if tune:  # (a tune takes minutes: outside the lock)
@@ -231,7 +230,8 @@ class Dispatcher:
         from autoflash.shapes import NotAShapeSet, record_shape
 
         shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
-                      seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype)
+                      seqlen_k=k.shape[2], head_dim=q.shape[3], causal=problem.causal, dtype=problem.dtype,
+                      head_dim_v=problem.head_dim_v)
         path = os.environ["AUTOFLASH_RECORD"]
         if shape in self._recorded or path in self._refused_record:
             return

@@ -197,6 +197,27 @@ class Shape:
     dtype: str
     op: str = "fwd"
     page: int | None = None  # decode: a paged cache of this block size (None: contiguous); other ops ignore it
+    # V's (and the output's) head dim where it differs from Q's and K's (MLA prefill: 192/128); None:
+    # head_dim. Last and defaulted, so every plain shape (constructor calls, pickles, JSON rows made
+    # before it) stays as it was; one equal to head_dim is stored as None (one shape, one problem key).
+    head_dim_v: int | None = None
+
+    def __post_init__(self):
+        if self.head_dim_v is not None and self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", None)
+
+    def as_dict(self) -> dict:
+        """The fields as stored in JSON (winner rows, bench output): head_dim_v only where set, so a
+        plain shape's JSON is what it was before value head dims of their own."""
+        fields = dataclasses.asdict(self)
+        if fields["head_dim_v"] is None:
+            del fields["head_dim_v"]
+        return fields
+
+    @property
+    def value_dim(self) -> int:
+        """V's head dim (head_dim unless the shape has one of its own)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def problem(self) -> Problem:
@@ -211,28 +232,38 @@ class Shape:
                        seqlen_q=seqlen_bucket(self.seqlen_q), seqlen_k=seqlen_bucket(self.seqlen_k),
                        work=shape_work_bucket(self.op, self.batch, self.heads_q, self.heads_kv, self.seqlen_q,
                                               self.seqlen_k, sm_count),
-                       page=self.page if self.op == "decode" else None)
+                       page=self.page if self.op == "decode" else None,
+                       head_dim_v=self.head_dim_v if self.op in ("fwd", "bwd") else None)
 
     def flops(self) -> float:
-        """Forward (and decode) FLOPs 4*B*H*Nq*Nk*D (two matmuls), halved when causal; the backward counts
-        2.5x the forward (five matmuls), forward+backward 3.5x."""
-        f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        """FLOPs of the matmuls, 2*B*H*Nq*Nk per head dim each matmul runs over, halved when causal.
+        The forward (and decode) runs S = QK^T over D and O = PV over D_v: 2*B*H*Nq*Nk*(D + D_v), i.e.
+        4*B*H*Nq*Nk*D where D_v = D. The backward runs five: S = QK^T again, dQ = dS K and dK = dS^T Q
+        over D, dP = dO V^T and dV = P^T dO over D_v: 2*B*H*Nq*Nk*(3D + 2D_v) (2.5x the forward where
+        D_v = D); forward+backward the sum of both (3.5x)."""
+        d, dv = self.head_dim, self.value_dim
+        per_dim = 2.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k
         if self.causal:
-            f /= 2
-        return f * {"fwd": 1.0, "decode": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[self.op]
+            per_dim /= 2
+        dims = {"fwd": d + dv, "decode": d + dv, "bwd": 3 * d + 2 * dv, "fwdbwd": 4 * d + 3 * dv}[self.op]
+        return per_dim * dims
 
     def short_label(self) -> str:
         """Compact, for plot axes: 'd128 causal 4k' (dtype and batch left out)."""
         n = f"{self.seqlen_q // 1024}k" if self.seqlen_q >= 1024 and self.seqlen_q % 1024 == 0 else str(self.seqlen_q)
         g = f" g{self.heads_q // self.heads_kv}" if self.heads_q != self.heads_kv else ""
-        return f"d{self.head_dim}{' causal' if self.causal else ''}{g} {n}"
+        return f"{self.dims_label()}{' causal' if self.causal else ''}{g} {n}"
+
+    def dims_label(self) -> str:
+        """'d128', or 'd192/128' where V has a head dim of its own."""
+        return f"d{self.head_dim}" + ("" if self.head_dim_v is None else f"/{self.head_dim_v}")
 
     def label(self) -> str:
         c = " causal" if self.causal else ""
         g = f" gqa{self.heads_q}/{self.heads_kv}" if self.heads_q != self.heads_kv else ""
         page = f" page{self.page}" if self.page is not None and self.op == "decode" else ""
         return (f"{'' if self.op == 'fwd' else self.op + ' '}{self.dtype} B{self.batch} H{self.heads_q} q{self.seqlen_q} k{self.seqlen_k} "
-                f"d{self.head_dim}{c}{g}{page}")
+                f"{self.dims_label()}{c}{g}{page}")
 
 
 def distance_between(a: Problem, b: Problem) -> float:

@@ -17,14 +17,22 @@ def make_inputs(shape: Shape, device, seed: int = 0, layout: str = "bhnd"):
     g = torch.Generator(device="cpu").manual_seed(seed)
     dtype = getattr(torch, shape.dtype)
 
-    def rand(b, n, h):
-        t = torch.randn((b, n, h, shape.head_dim), generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    def rand(b, n, h, d=shape.head_dim):
+        t = torch.randn((b, n, h, d), generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
         return t.transpose(1, 2) if layout == "bnhd" else t.transpose(1, 2).contiguous()
 
     q = rand(shape.batch, shape.seqlen_q, shape.heads_q)
     k = rand(shape.batch, shape.seqlen_k, shape.heads_kv)
-    v = rand(shape.batch, shape.seqlen_k, shape.heads_kv)
+    v = rand(shape.batch, shape.seqlen_k, shape.heads_kv, shape.value_dim)  # (MLA: V's head dim of its own)
     return q, k, v
+
+
+def output_grad(shape: Shape, device, seed: int):
+    """A random gradient of the output, (B, H_q, N_q, D_v): q's draw of that seed where V has q's head
+    dim (the inputs the backward gate and timing always used)."""
+    import dataclasses
+
+    return make_inputs(dataclasses.replace(shape, head_dim=shape.value_dim, head_dim_v=None), device, seed=seed)[0]
 
 
 def paged_cache(k: torch.Tensor, v: torch.Tensor, page: int, generator: torch.Generator | None = None):

@@ -67,12 +67,14 @@ def record_shape(path: str | os.PathLike, shape: Shape) -> None:
 
     tables = _recorded_tables(path)
     if tables and any(isinstance(t, dict) and all(t.get(f) == getattr(shape, f) for f in SHAPE_FIELDS)
+                                        and t.get("head_dim_v", t.get("head_dim")) == shape.value_dim
                       for t in tables):
         return
     header = "" if tables is not None else (
         "# Problems a model ran, recorded by autoflash (AUTOFLASH_RECORD). Tune exactly these with\n"
         "#   autoflash tune --ops fwd,bwd --shapes THIS_FILE\n")
-    table = "\n[[shape]]\n" + "".join(f"{f} = {json.dumps(getattr(shape, f))}\n" for f in SHAPE_FIELDS)
+    fields = SHAPE_FIELDS + (("head_dim_v",) if shape.head_dim_v is not None else ())
+    table = "\n[[shape]]\n" + "".join(f"{f} = {json.dumps(getattr(shape, f))}\n" for f in fields)
     with open(path, "a", encoding="utf-8") as f:
         f.write(header + table)
 
@@ -93,8 +95,14 @@ def shape_problem(shape: Shape) -> str | None:
         return f"dtype must be one of {list(DTYPES)}, got {shape.dtype!r}"
     if shape.page is not None and (isinstance(shape.page, bool) or not isinstance(shape.page, int) or shape.page < 1):
         return f"page must be a positive integer, got {shape.page!r}"
-    if reason := unsupported_head_dim(shape.head_dim):
-        return reason
+    if shape.head_dim_v is not None:
+        if isinstance(shape.head_dim_v, bool) or not isinstance(shape.head_dim_v, int) or shape.head_dim_v < 1:
+            return f"head_dim_v must be a positive integer, got {shape.head_dim_v!r}"
+        if shape.op not in ("fwd", "bwd"):
+            return f"head_dim_v (V's head dim of its own) is a forward or backward shape's, not {shape.op!r}"
+    for d in (shape.head_dim, shape.value_dim):
+        if reason := unsupported_head_dim(d):
+            return reason
     itemsize = 4 if shape.dtype == "float32" else 2
     for name, heads, seqlen in (("q", shape.heads_q, shape.seqlen_q), ("k and v", shape.heads_kv, shape.seqlen_k)):
         size = shape.batch * heads * seqlen * shape.head_dim * itemsize
@@ -106,7 +114,7 @@ def shape_problem(shape: Shape) -> str | None:
 
 # The keys of a shape file's tables (see `load_shape_set`): a [[shape]] is a Shape's fields
 # (heads_kv defaults to heads_q); a [[grid]] crosses lists.
-SHAPE_KEYS = SHAPE_FIELDS + ("op", "page")
+SHAPE_KEYS = SHAPE_FIELDS + ("op", "page", "head_dim_v")  # (head_dim_v: V's own head dim, MLA; default head_dim)
 SHAPE_REQUIRED = tuple(f for f in SHAPE_FIELDS if f != "heads_kv")
 GRID_KEYS = ("dtype", "head_dim", "causal", "seqlen", "batch", "tokens", "heads_q", "hidden", "heads_kv")
 GRID_REQUIRED = (("dtype",), ("head_dim",), ("causal",), ("seqlen",), ("batch", "tokens"), ("heads_q", "hidden"))

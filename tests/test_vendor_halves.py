@@ -180,7 +180,7 @@ def test_which_names_both_halves_of_the_served_pair(half_sdpa_winner, tmp_path, 
     from autoflash.cli import cli
 
     shapes = tmp_path / "s.toml"
-    shapes.write_text("[[shape]]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in SHAPE.__dict__.items()
+    shapes.write_text("[[shape]]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in SHAPE.as_dict().items()
                                                  if k not in ("op", "page")) + "\n")
     monkeypatch.setattr(autoflash.cli.console, "width", 400)  # one table row per line
     r = CliRunner().invoke(cli, ["which", "--interpret", "--shapes", str(shapes), "--op", "bwd"])

@@ -69,10 +69,10 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, j
     import dataclasses
 
     with console.status("benchmarking forward+backward") as status:
-        rows, peaks = bench_mod.run_fwdbwd(shape_list, rounds=rounds, memory=memory,
+        methods = ["autoflash", "autoflash-own", *(f"sdpa_{b}" for b in bench_mod.sdpa_backends(shape_list))]
+        rows, peaks = bench_mod.run_fwdbwd(shape_list, methods=tuple(methods), rounds=rounds, memory=memory,
                                            progress=lambda label: status.update(f"benchmarking {label}"))
     _say_served(bench_mod, rows, shape_list, device, "bwd")
-    methods = ["autoflash", "autoflash-own", "sdpa_cudnn", "sdpa_flash"]
     title = f"forward+backward TFLOP/s on {device.name}, torch {device.torch_version}, triton {device.triton_version}"
     console.print(bench_mod.rich_table(rows, methods, title))
     console.print(bench_mod.versus_best_sdpa(rows))
@@ -181,9 +181,10 @@ def _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, inter
     with console.status("benchmarking") as status:
         rows = bench_mod.run_bench(shape_list, choosers, rounds=rounds, device="cpu" if interpret else "cuda",
                                    progress=lambda label: status.update(f"benchmarking {label}"), templates=templates,
-                                   pair_halves=bench_mod.served_pair_halves(disp, device))
+                                   pair_halves=bench_mod.served_pair_halves(disp, device),
+                                   sdpa=bench_mod.sdpa_backends(shape_list))
     _say_served(bench_mod, rows, shape_list, device, op)
-    methods = list(choosers) + ([] if interpret else ["sdpa_cudnn", "sdpa_flash"])
+    methods = list(choosers) + ([] if interpret else [f"sdpa_{b}" for b in bench_mod.sdpa_backends(shape_list)])
     base = "baseline" if baseline_template else "default" if interpret else "sdpa_cudnn"
     title = (f"{'forward' if op == 'fwd' else 'backward problems (forward + backward)'} TFLOP/s on {device.name}, torch {device.torch_version}, "
              f"triton {device.triton_version}")

@@ -27,10 +27,10 @@ def _spec(n: int) -> tuple[bool, bool]:
 
 def compile_key(variant: Variant, shape: Shape) -> tuple:
     """What `sandbox.compile_variant` builds for this candidate depends on: the variant, the gate's
-    shapes (dtype, head dim, causality, GQA group and whether two KV heads fit: `gate.gate_shapes`)
+    shapes (dtype, head dims, causality, GQA group and whether two KV heads fit: `gate.gate_shapes`)
     and how the timing shape's sizes specialize the launch."""
     group = shape.heads_q // shape.heads_kv
-    return (variant.family, variant.json(), shape.op, shape.dtype, shape.head_dim, shape.causal, group,
+    return (variant.family, variant.json(), shape.op, shape.dtype, shape.head_dim, shape.head_dim_v, shape.causal, group,
             shape.heads_q >= 2 * group, shape.page,
             *(_spec(n) for n in (shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q, shape.seqlen_k)))
 

@@ -20,7 +20,7 @@ from autoflash import codegen
 from autoflash.codegen import Kernel
 from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_count
 from autoflash.problem import Shape
-from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, paged_cache, reference, reference_grads, rel_error,
+from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, output_grad, paged_cache, reference, reference_grads, rel_error,
                                  sdpa_error, sdpa_grads)
 from autoflash.space import Variant, default_variant, load_space
 from autoflash.training import training_pair_for
@@ -46,7 +46,7 @@ def gate_shapes(shape: Shape) -> list[Shape]:
     hk = 2 if shape.heads_q >= 2 * (shape.heads_q // shape.heads_kv) else 1
     hq = hk * (shape.heads_q // shape.heads_kv)
     base = dict(heads_q=hq, heads_kv=hk, head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
-                op=shape.op)
+                op=shape.op, head_dim_v=shape.head_dim_v)
     # (batch, seqlen_q, seqlen_k): the short ragged shapes use 2 sequences to cover batch strides.
     if torch.cuda.is_available() and not interpreter_enabled():
         sizes = [(1, 1023, 1023), (2, 113, 203), (2, 203, 113), (1, 1, 37)]
@@ -73,6 +73,13 @@ def refused_by_vendor(kernel: Kernel, error: RuntimeError) -> bool:
     return bool(kernel.vendor) and VENDOR_REFUSAL in str(error)
 
 
+def refuses_value_dim(kernel: Kernel, q, v) -> bool:
+    """A vendor backend that takes no V of another head dim than Q's (torch's flash backend, the SDPA
+    halves of a training pair): it is no candidate for such a problem, as one refusing every gate
+    shape (the dispatcher never serves it one either: its `unsupported` says so)."""
+    return bool(kernel.vendor) and v.shape[-1] != q.shape[-1] and kernel.unsupported(q, q, v, q) is not None
+
+
 def _all_refused(worst: GateResult, checked: int) -> GateResult:
     if checked:
         return worst
@@ -82,7 +89,7 @@ def _all_refused(worst: GateResult, checked: int) -> GateResult:
 
 def run_variant(kernel: Kernel, q, k, v, causal: bool, causal_offset: int, scale: float):
     """Launch one compiled variant on (B,H,N,D) inputs; returns (out, lse) (poisoned first)."""
-    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), device=q.device, dtype=q.dtype)  # (B, H, N, D_v)
     lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
     require_supported(kernel, q, k, v, out)
     kernel.forward(q, k, v, out, lse, scale, causal, causal_offset)
@@ -126,6 +133,8 @@ def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateRe
         q, k, v = make_inputs(gs, device, seed=seed + i, layout="bnhd" if i % 2 else "bhnd")
         off = _alignment(kernel, gs, i)
         scale = 1.0 / math.sqrt(gs.head_dim)
+        if refuses_value_dim(kernel, q, v):
+            continue
         try:
             out, lse = run_variant(kernel, q, k, v, gs.causal, off, scale)
         except RuntimeError as e:
@@ -169,19 +178,24 @@ def backward_kernel_for_pair(q, k, v, causal: bool, backward: Variant | None = N
 def _own_kernel(op: str, q, k, v, causal: bool, stored: Variant | None) -> Kernel:
     """`stored` where it takes these tensors, else the op's default (own) variant, with pointer
     loads where the default's TMA cannot take them."""
+    # (an output's shape and strides for `unsupported`: q where V has its head dim, as always)
+    out = q if v.shape[3] == q.shape[3] else q.new_empty((*q.shape[:3], v.shape[3]))
+    head_dim_v = None if v.shape[3] == q.shape[3] else v.shape[3]
     if stored is not None:
-        kernel = codegen.load(stored)
-        if not kernel.unsupported(q, k, v, q):
+        kernel = codegen.load_for(stored, head_dim_v)
+        if not kernel.unsupported(q, k, v, out):
             return kernel
     shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
-                  seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:], op=op)
+                  seqlen_k=k.shape[2], head_dim=q.shape[3], causal=causal, dtype=str(q.dtype)[6:], op=op,
+                  head_dim_v=v.shape[3])
     device = gpu_fingerprint(q.device.index if q.is_cuda else None)
     variant = default_variant(op, shape.problem, device)
-    kernel = codegen.load(variant)
+    kernel = codegen.load_for(variant, shape.head_dim_v)
     knobs = variant.as_dict()
-    if kernel.unsupported(q, k, v, q) and "LOADS" in knobs:
+    if kernel.unsupported(q, k, v, out) and "LOADS" in knobs:
         fallback = {"LOADS": "pointer", **({"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in knobs else {})}
-        kernel = codegen.load(load_space(variant.family).nearest_valid(variant.replace(**fallback), shape.problem, device))
+        kernel = codegen.load_for(load_space(variant.family).nearest_valid(variant.replace(**fallback), shape.problem,
+                                                                           device), shape.head_dim_v)
     return kernel
 
 
@@ -201,7 +215,7 @@ def candidate_pair(kernel: Kernel, q, k, v, causal: bool, offset: int, scale: fl
 
 def forward_for_backward(q, k, v, causal: bool, offset: int, scale: float):
     """(out, lse) from `forward_kernel_for_backward`: what a backward variant consumes."""
-    out = torch.empty_like(q)
+    out = torch.empty((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (B, H, N, D_v)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     forward_kernel_for_backward(q, k, v, causal).forward(q, k, v, out, lse, scale, causal, offset)
     return out, lse
@@ -212,10 +226,12 @@ def check_backward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateR
     worst, checked = GateResult(True, 0.0, 0.0, 0.0), 0
     for i, gs in enumerate(gate_shapes(shape)):
         q, k, v = make_inputs(gs, device, seed=seed + i, layout="bnhd" if i % 2 else "bhnd")
-        grad = make_inputs(gs, device, seed=seed + 100 + i)[0]
+        grad = output_grad(gs, device, seed=seed + 100 + i)
         off = _alignment(kernel, gs, i)
         scale = 1.0 / math.sqrt(gs.head_dim)
         grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        if refuses_value_dim(kernel, q, v):
+            continue
         require_supported(kernel, q, k, v, grad)
         try:
             if kernel.vendor and not kernel.whole_pair:  # half SDPA's, half autoflash's: the pair as served

@@ -82,10 +82,10 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
     device = torch.device(device_str)
     # The gate's inputs depend only on these, not on the timing shape's lengths: problems that
     # differ only in seqlen bucket share one gate result per variant within a worker.
-    gate_key = (variant.family, variant.json(), shape.dtype, shape.head_dim, shape.causal, shape.heads_q // shape.heads_kv,
-                *_own_halves(variant))
+    gate_key = (variant.family, variant.json(), shape.dtype, shape.head_dim, shape.head_dim_v, shape.causal,
+                shape.heads_q // shape.heads_kv, *_own_halves(variant))
     try:
-        kernel = codegen.load(variant)
+        kernel = codegen.load_for(variant, shape.head_dim_v)
         gate = _gate_cache.get(gate_key)
         if gate is None:
             gate = _gate_cache[gate_key] = check(kernel, shape, device)
@@ -125,7 +125,7 @@ def compile_variant(variant_json: str, family: str, shape: Shape, rep_ms: float,
     t0 = time.perf_counter()
     variant = _declared_variant(family, variant_json)
     try:
-        kernel = codegen.load(variant)
+        kernel = codegen.load_for(variant, shape.head_dim_v)
         if device_str != "cpu":  # the interpreter has nothing to compile
             for q, k, v, off in _gate_and_timing_inputs(shape, torch.device(device_str)):
                 kernel.compile_for(q, k, v, shape.causal, off, page=shape.page)
@@ -153,7 +153,7 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
                 fns[m] = sdpa_callable(m[5:], shape, q, k, v, backward=(op == "bwd"))
             continue
         family, _, variant_json = m.partition(":") if not m.startswith("{") else ("", "", m)
-        fns[m] = launch_callable(codegen.load(_declared_variant(family or op, variant_json)), shape, q, k, v, 0)
+        fns[m] = launch_callable(codegen.load_for(_declared_variant(family or op, variant_json), shape.head_dim_v), shape, q, k, v, 0)
     samples = {m: [] for m in methods}
     for _ in range(rounds):
         for m in methods:

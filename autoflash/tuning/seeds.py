@@ -25,7 +25,8 @@ def seed_variants(default: Variant, problem: Problem, device: GPUFingerprint, th
     problems' winners of the same dtype and head dim. rows: winners rows of this GPU (this DB's and
     the shipped ones); transferred: (exact, nearest) of `transfer.transferred_seeds`."""
     space = load_space(default.family)
-    rows = [w for w in rows if w["op"] == problem.op and w["head_dim"] == problem.head_dim]
+    rows = [w for w in rows if w["op"] == problem.op and w["head_dim"] == problem.head_dim
+            and _value_dim(w) == problem.head_dim_v]  # (a V of another head dim is another kernel's winner)
     # The winner served today for this very problem (this DB's or shipped) comes first: a short
     # search must never end below what users already get.
     current = current_winners(problem, device, thash, rows)
@@ -47,6 +48,14 @@ def current_winners(problem: Problem, device: GPUFingerprint, thash: str, rows: 
     space = load_space(codegen.family_for_hash(problem.op, thash) or problem.op)
     mine = [w for w in rows if w["problem"] in same_problem_keys(problem) and w["template_hash"] == thash]
     return _valid_variants(mine, None, problem, device, thash, space)
+
+
+def _value_dim(row: dict) -> int | None:
+    """The head_dim_v of a winners row's problem (None for plain rows and unparsable keys)."""
+    try:
+        return Problem.from_key(row["problem"]).head_dim_v
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def same_problem_keys(problem: Problem) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ import torch
 from autoflash.codegen import Kernel
 from autoflash.device import launch_sm_count
 from autoflash.problem import Shape
-from autoflash.reference import causal_offset_for, make_inputs, paged_cache, sdpa_backend
+from autoflash.reference import causal_offset_for, make_inputs, output_grad, paged_cache, sdpa_backend
 from autoflash.training import EagerAttention
 from autoflash.tuning.gate import candidate_pair, require_supported
 
@@ -153,9 +153,10 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
         return lambda: kernel.decode(qd, kd, vd, out, lse, scale, shape.causal, seqlens, table, sm_count=sm_count)
     if not kernel.takes_causal_offset(shape.causal, off):
         raise ValueError(f"{kernel.family} cannot take causal offset {off}")
-    require_supported(kernel, q, k, v, q)
+    # (an output's shape for the check: q where V has its head dim, as always)
+    require_supported(kernel, q, k, v, q if v.shape[3] == q.shape[3] else q.new_empty((*q.shape[:3], v.shape[3])))
     if kernel.op == "bwd":
-        grad = make_inputs(shape, q.device, seed=4321)[0]
+        grad = output_grad(shape, q.device, seed=4321)  # (B, H, N, D_v)
         require_supported(kernel, q, k, v, grad)
         pair = candidate_pair(kernel, q, k, v, shape.causal, off, scale)
         if pair is None:  # SDPA's whole pair, through torch autograd
@@ -169,7 +170,7 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
         return step
     if kernel.vendor:
         return lambda: kernel.attention(q, k, v, scale, shape.causal, off)
-    out = torch.empty_like(q)
+    out = torch.empty((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (B, H, N, D_v)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     require_supported(kernel, q, k, v, out)
     launch = kernel.bind_forward(q, k, v, out, lse, scale, shape.causal, off)  # (as inference launches it)
@@ -207,7 +208,7 @@ def sdpa_callable(backend: str, shape: Shape, q, k, v, backward: bool = False):
     gqa = shape.heads_q != shape.heads_kv
     if backward:
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        grad = torch.randn_like(q)
+        grad = torch.randn((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (the output's: D_v)
 
         def fn():
             with sdpa_kernel([which]):

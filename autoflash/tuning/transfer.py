@@ -60,7 +60,9 @@ def transferred_seeds(problem: Problem, family: str, device: GPUFingerprint, row
             other = Problem.from_key(row["problem"])
         except (ValueError, KeyError, TypeError):
             continue
-        if (other.op, other.causal, other.page) != (problem.op, problem.causal, problem.page):
+        # (the same V head dim or none: a winner for another D_v is another rendered kernel's)
+        if (other.op, other.causal, other.page, other.head_dim_v) != (problem.op, problem.causal, problem.page,
+                                                                       problem.head_dim_v):
             continue
         if other.dtype != problem.dtype and {other.dtype, problem.dtype} != HALVES:
             continue

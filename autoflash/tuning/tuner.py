@@ -19,7 +19,6 @@ it, or in --storage): a killed run resumes. A run drives a `shared.SharedTuner`.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import math
 import os
 import random
@@ -364,7 +363,7 @@ class Tuner(PickWinner):
         this DB has claimed it."""
         claim = self.store.claim_trial(run_id=self.run_id, gpu_key=self.gpu_key, problem=shape.problem,
                                        template_hash=thash, variant_json=variant.json(),
-                                       shape=dataclasses.asdict(shape))
+                                       shape=shape.as_dict())
         if claim is None:
             return None, None
         if compiled.status == "crashed":  # the compile worker died: the compiler aborted on this variant

@@ -5,7 +5,6 @@ bench`'s own-kernels column) is still served a tuned one."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from autoflash import codegen
@@ -60,6 +59,6 @@ def store_winner_rows(store, *, gpu_key, problem, shape, winner_key: str, finite
                          variant_json=variant_json, median_ms=median_ms, spread=row_spread,
                          tflops=tflops(shape, median_ms), trials=measured, run_id=run_id,
                          default_ms=ms["default"], sdpa_cudnn_ms=ms["sdpa_cudnn"], sdpa_flash_ms=ms["sdpa_flash"],
-                         shape=dataclasses.asdict(shape), replaces=[codegen.template_hash(f) for f in replaced])
+                         shape=shape.as_dict(), replaces=[codegen.template_hash(f) for f in replaced])
 
 

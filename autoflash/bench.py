@@ -71,8 +71,9 @@ def _variant_fn(variant: Variant, shape: Shape, q, k, v, template_file=None) -> 
         from autoflash.dispatch import Dispatcher
 
         kernel = Dispatcher._load(variant, shape.problem, gpu_fingerprint(q.device.index if q.is_cuda else None))
-    else:
-        kernel = codegen.load(variant, template_file)
+    else:  # (a baseline template: rendered for V's head dim too where the shape has one of its own)
+        kernel = codegen.load(variant, template_file,
+                              value_dim=shape.head_dim_v is not None and not load_space(variant.family).vendor)
     return launch_callable(kernel, shape, q, k, v, causal_offset_for(shape, "top_left"))
 
 

@@ -67,9 +67,9 @@ class Evidence:
             if not entry.complete:
                 continue
             p = Problem.from_key(key)
-            if (p.op, p.dtype, p.causal, p.page, p.score_variant, p.head_dim_v is None) != (
+            if (p.op, p.dtype, p.causal, p.page, p.score_variant, p.head_dim_v) != (
                     problem.op, problem.dtype, problem.causal, problem.page, problem.score_variant,
-                    problem.head_dim_v is None):  # (MLA-like problems measured apart from the others)
+                    problem.head_dim_v):  # (a value head dim of its own: evidence only from the same one)
                 continue
             distance = distance_between(p, problem)
             if distance < best_distance or (distance == best_distance and key < best[0]):

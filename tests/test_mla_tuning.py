@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +221,20 @@ def test_sdpa_backends_that_refuse_a_value_head_dim_are_unsupported_not_failed(t
         takes = variant["BACKEND"] != "flash" and (op == "fwd" or variant.as_dict().get("FORWARD", "sdpa") == "sdpa"
                                                     and variant.as_dict().get("BACKWARD", "sdpa") == "sdpa")
         assert row["status"] == ("ok" if takes else "unsupported"), (row["variant"], row["status"], row["message"])
+
+
+@pytest.mark.interpreter
+def test_bench_against_a_baseline_template_renders_it_for_vs_head_dim(tmp_path):
+    """`--baseline-template` on a shape set with a value head dim of its own: the old template is
+    rendered for it too (it was loaded plain and refused the call, ending the bench)."""
+    shapes = tmp_path / "mla.toml"
+    shapes.write_text("[[shape]]\nbatch = 1\nheads_q = 2\nseqlen_q = 37\nseqlen_k = 37\nhead_dim = 64\n"
+                      "head_dim_v = 32\ncausal = true\ndtype = \"float16\"\n")
+    baseline = tmp_path / "old.jinja"
+    baseline.write_text((Path(codegen.__file__).parent / "families" / "triton_fwd" / "kernel.py.jinja").read_text())
+    out = tmp_path / "rows.json"
+    r = CliRunner().invoke(cli, ["bench", "--interpret", "--shapes", str(shapes), "--rounds", "1",
+                                 "--baseline-template", str(baseline), "--json", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())
+    assert any(row["impl"] == "autoflash-baseline" and row["fwd_tflops"] for row in rows), {row["impl"] for row in rows}

@@ -110,3 +110,13 @@ def test_a_gpu_with_no_rows_of_its_own_is_served_sdpa_cudnn_whatever_its_neighbo
         variant, why = h100.choose(problem, H100)
         assert variant == cudnn_variant(problem, H100) and "no measurement near" in why
     assert not h100.winners(H100).rows
+
+
+def test_evidence_of_one_value_head_dim_says_nothing_of_another(tmp_path):
+    import dataclasses
+
+    mla = dataclasses.replace(prob(head_dim=192), head_dim_v=128)
+    other = dataclasses.replace(prob(head_dim=192), head_dim_v=64)
+    assert not served(tmp_path, [(mla, 0.5, 1.0)], mla)[0]  # (its own evidence serves the own kernel)
+    vendor, why = served(tmp_path, [(mla, 0.5, 1.0)], other)
+    assert vendor and "no measurement" in why

@@ -24,6 +24,7 @@ from autoflash.reference import (causal_offset_for, decode_reference, lse_error,
                                  sdpa_error, sdpa_grads)
 from autoflash.space import Variant, default_variant, load_space
 from autoflash.training import training_pair_for
+from autoflash.validate import output_like
 
 GATE_FACTOR = 2.0  # candidate error <= GATE_FACTOR * SDPA's error (DESIGN.md §4)
 GATE_FLOOR = {"float32": 1e-5, "float16": 5e-4, "bfloat16": 4e-3}  # relative L2: binds only when SDPA is ~exact
@@ -215,7 +216,7 @@ def candidate_pair(kernel: Kernel, q, k, v, causal: bool, offset: int, scale: fl
 
 def forward_for_backward(q, k, v, causal: bool, offset: int, scale: float):
     """(out, lse) from `forward_kernel_for_backward`: what a backward variant consumes."""
-    out = torch.empty((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (B, H, N, D_v)
+    out = output_like(q, v)  # (B, H, N, D_v) in q's memory layout, as the API hands the backward its O
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     forward_kernel_for_backward(q, k, v, causal).forward(q, k, v, out, lse, scale, causal, offset)
     return out, lse

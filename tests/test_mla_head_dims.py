@@ -159,16 +159,18 @@ def test_winners_of_one_value_head_dim_never_serve_another():
 
 
 
-def test_tune_on_miss_leaves_value_head_dims_to_the_defaults(tmp_path, monkeypatch):
-    """The tuner measures one head dim: a call with V of its own is served by the default, never tuned
-    as the plain problem it would be mistaken for."""
+def test_tune_on_miss_claims_a_value_head_dim_problem_of_its_own(tmp_path, monkeypatch):
+    """The tuner measures V's head dim now (`Shape.head_dim_v`): a call with V of its own is tuned as
+    itself (tests/test_mla_tuning.py runs it), claimed apart from the plain problem of the same Q/K."""
     from autoflash.dispatch import Dispatcher
 
     monkeypatch.setenv("AUTOFLASH_TUNE_ON_MISS", "1")
     d = Dispatcher(winner_paths=[tmp_path / "user.db"])
     problem = Problem("fwd", "float16", 64, False, 1, 64, 64, head_dim_v=32)
-    assert not d._claim_tune_on_miss(problem, torch.zeros(1))
+    assert d._claim_tune_on_miss(problem, torch.zeros(1))
     assert d._claim_tune_on_miss(dataclasses.replace(problem, head_dim_v=None), torch.zeros(1))
+    assert not d._claim_tune_on_miss(problem, torch.zeros(1))  # (claimed once)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])

@@ -125,7 +125,8 @@ def test_gluon_forward_never_takes_a_value_head_dim():
     from autoflash.families.gluon_sm90_fwd.host import GluonSm90Forward
 
     problem = Problem("fwd", "float16", 192, True, 1, 4096, 4096, head_dim_v=128)
-    on_gpu = dataclasses.replace(_device(), name="NVIDIA H100 80GB HBM3", smem_per_block=232448)
+    on_gpu = dataclasses.replace(_device(), name="NVIDIA H100 80GB HBM3", smem_per_block=232448,
+                                 triton_version="3.6.0")  # (the Triton the Gluon space is written for)
     assert not load_space("gluon_sm90_fwd").valid_variants(problem, on_gpu)
     assert load_space("gluon_sm90_fwd").valid_variants(dataclasses.replace(problem, head_dim=128, head_dim_v=None),
                                                         on_gpu)

@@ -44,6 +44,14 @@ def _sdpa_switches():
 VENDOR_TIE_MARGIN = 0.02
 
 
+def runs_own_half(knobs) -> bool:
+    """Whether a vendor training pair's knobs name one of autoflash's kernels as a half (FORWARD or
+    BACKWARD "autoflash"): such a pair is partly own code, and the tie margin holds it to the same bar
+    as an own kernel (an H100 pick stored cuDNN's backward after an own forward at 1.01x cuDNN's whole
+    pair, inside its 2.3% spread; the bench then measured it at 0.97x)."""
+    return isinstance(knobs, dict) and "autoflash" in (knobs.get("FORWARD"), knobs.get("BACKWARD"))
+
+
 # sdpa_kernel's own host path (a generator context manager that looks every switch up by name)
 # cost about 100 us per call on a CPU where torch SDPA's dispatch costs 20: a model whose
 # attention a vendor kernel serves paid it in every layer. The same switches, read and written

@@ -241,6 +241,27 @@ def test_an_own_kernel_serves_over_a_vendor_one_only_beyond_the_tie_margin(tmp_p
     assert table.lookup(problem, own_only=True) == (own, "exact")
 
 
+@pytest.mark.parametrize("pair_ms, stored", [(0.99, "all-vendor"), (0.95, "pair")])
+def test_a_vendor_pair_with_an_own_half_meets_the_tie_margin_too(pair_ms, stored):
+    """cuDNN's backward after the own forward is partly own code: in the pick, 1% faster than cuDNN's
+    whole pair is a tie (the all-vendor pair is stored); 5% faster, the pair is."""
+    from autoflash.tuning.winner_rows import vendor_on_a_tie
+
+    whole, mixed = sdpa("bwd", "flash"), sdpa("bwd", "flash", forward="autoflash")
+    keys = {v: f"sdpa_bwd:{v.json()}" for v in (whole, mixed)}
+    medians = {keys[whole]: 1.0, keys[mixed]: pair_ms}
+    assert vendor_on_a_tie(keys[mixed], list(medians), medians) == keys[whole if stored == "all-vendor" else mixed]
+
+
+def test_the_dispatcher_ranks_a_pair_with_an_own_half_as_own_code(tmp_path):
+    """Stored in one DB, an own backward 1% faster than a pair with an own half serves: between the two
+    no tie margin applies (both hold own code); before, the pair was ranked as all-vendor and served."""
+    bwd = Shape(**{**SHAPE.__dict__, "op": "bwd"}).problem
+    own, mixed = default_variant("bwd", bwd, DEVICE), sdpa("bwd", "flash", forward="autoflash")
+    db = _db_with(tmp_path / "w.db", [(bwd, mixed, 1.0), (bwd, own, 0.99)])
+    assert WinnerTable(DEVICE, [db]).lookup(bwd) == (own, "exact")
+
+
 def _remeasure_scripted(methods, op, shape, rounds, rep_ms, device_str):
     """Re-measure hook: the vendor candidate 1.00 ms; own candidates at the ms in OWN_MS (env)."""
     import os

@@ -11,7 +11,7 @@ from autoflash import codegen
 from autoflash.space import families_for, load_space
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.timing import tflops
-from autoflash.vendor import VENDOR_TIE_MARGIN
+from autoflash.vendor import VENDOR_TIE_MARGIN, runs_own_half
 
 
 def is_vendor(method: str) -> bool:
@@ -19,11 +19,17 @@ def is_vendor(method: str) -> bool:
     return bool(load_space(method.partition(":")[0]).vendor)
 
 
+def is_all_vendor(method: str) -> bool:
+    """Whether a method is a vendor family's with no half of autoflash's own (`runs_own_half`)."""
+    return is_vendor(method) and not runs_own_half(json.loads(method.partition(":")[2]))
+
+
 def vendor_on_a_tie(winner_key: str, finite: list[str], medians: dict) -> str:
-    """The method to store: the fastest vendor candidate where the fastest own one beats it by no more
-    than the tie margin (the dispatcher ranks stored rows the same way), else `winner_key`."""
-    vendors = [m for m in finite if is_vendor(m)]
-    if not vendors or is_vendor(winner_key):
+    """The method to store: the fastest all-vendor candidate where the fastest one with own code (an
+    own kernel, or a vendor pair with an own half) beats it by no more than the tie margin (the
+    dispatcher ranks stored rows the same way), else `winner_key`."""
+    vendors = [m for m in finite if is_all_vendor(m)]
+    if not vendors or is_all_vendor(winner_key):
         return winner_key
     vendor_key = min(vendors, key=lambda m: medians[m])
     return vendor_key if medians[vendor_key] <= medians[winner_key] * (1 + VENDOR_TIE_MARGIN) else winner_key

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoflash.tuning.planner import Arm, Costs, Planner, ProblemPlan
+from autoflash.tuning.planner import MIN_REPS, NOMINAL_FLOPS_PER_S, Arm, Costs, Planner, ProblemPlan, Step
 
 
 @dataclasses.dataclass
@@ -26,7 +26,8 @@ GLUON = Family(compile_s=27.0, measure_s=1.0, seeds=2, own_ms=1.1)
 
 class Sim:
     def __init__(self, problems: int, families: dict, workers: int = 12, vendor_s: float = 3.0,
-                 pick_s: float = 2.0, own_scale=None, ops=None, bwd_costs=(None, None)):
+                 pick_s: float = 2.0, own_scale=None, ops=None, bwd_costs=(None, None), call_ms=None,
+                 rep_ms: float = 100.0):
         self.t = 0.0
         self.families, self.vendor_s, self.pick_s = families, vendor_s, pick_s
         self.ops = ops or ["fwd"] * problems
@@ -37,6 +38,9 @@ class Sim:
         self.measured = {(i, f): 0 for i in range(problems) for f in families}
         self.vendor, self.picked = set(), set()
         self.own_scale = own_scale or [1.0] * problems
+        # Each problem's call (the vendor's); a long one's vendor pass and pick last longer, as on a GPU
+        # where every timing repeats a call MIN_REPS times at least.
+        self.call_ms, self.rep_ms = call_ms or [1.0] * problems, rep_ms
         self.deadlines = []
         self.idle = 0.0  # the GPU's wait on compiles
         self.fill = True  # compile ahead until the pool holds the planner's horizon (else one search ahead)
@@ -47,6 +51,9 @@ class Sim:
     def plans(self) -> list[ProblemPlan]:
         return [ProblemPlan(f"p{i}", [Arm(f, fam.cap, fam.seeds) for f, fam in self.families.items()], op=self.ops[i])
                 for i in range(len(self.own_scale))]
+
+    def scale(self, i: int) -> float:
+        return max(1.0, MIN_REPS * self.call_ms[i] / self.rep_ms)
 
     def compile(self, i: int, family: str, n: int, after: int = 0) -> None:
         """The arm's next n candidates (after `after` more), compiled on the first free workers."""
@@ -70,11 +77,11 @@ class Sim:
         while (step := planner.next_step()) is not None:
             i = step.problem
             if step.kind == "vendor":
-                self.t += self.bwd_vendor_s if self.ops[i] == "bwd" else self.vendor_s
+                self.t += (self.bwd_vendor_s if self.ops[i] == "bwd" else self.vendor_s) * self.scale(i)
                 self.vendor.add(i)
-                planner.done(step, vendor_ms=1.0)
+                planner.done(step, vendor_ms=self.call_ms[i])
             elif step.kind == "pick":
-                self.t += self.bwd_pick_s if self.ops[i] == "bwd" else self.pick_s
+                self.t += (self.bwd_pick_s if self.ops[i] == "bwd" else self.pick_s) * self.scale(i)
                 self.picked.add(i)
                 planner.done(step, served="own")
             else:
@@ -111,8 +118,9 @@ class Sim:
                 "exhausted": False}
 
 
-def plan(sim: Sim, budget_s: float | None, **costs) -> Planner:
-    return Planner(sim.plans(), budget_s, sim.clock, Costs(prior_waits={"gluon": 27.0}, **costs), batch=12)
+def plan(sim: Sim, budget_s: float | None, rep_ms: float = 100.0, **costs) -> Planner:
+    return Planner(sim.plans(), budget_s, sim.clock, Costs(prior_waits={"gluon": 27.0}, **costs), batch=12,
+                   rep_ms=rep_ms)
 
 
 def test_a_budget_smaller_than_one_problems_compile_still_measures_every_problems_vendor_and_seed():
@@ -163,6 +171,71 @@ def test_backward_problems_picks_are_not_costed_by_a_forward_one():
     sim.run(planner)
     assert sim.picked == set(range(22)) and sim.t <= budget, sim.t
     assert all(sum(sim.measured[(i, f)] for f in families) >= 1 for i in range(22))
+
+
+def test_a_problem_of_long_calls_costs_its_vendor_pass_and_pick_in_proportion():
+    """Every timing repeats a call MIN_REPS times at least: at rep_ms 100 a problem whose calls take
+    100 ms has a vendor pass and a pick 10x a 1-ms one's; before its vendor pass measures the call,
+    its FLOPs say how long it is."""
+    short, long = ProblemPlan("short", [], vendor_ms=1.0), ProblemPlan("long", [], vendor_ms=100.0)
+    unmeasured = ProblemPlan("unmeasured", [], flops=0.1 * NOMINAL_FLOPS_PER_S)  # (100 ms at the nominal rate)
+    planner = Planner([short, long, unmeasured], None, lambda: 0.0, Costs(), rep_ms=100.0)
+    assert planner.pick_s(short) == planner.costs.pick("fwd")
+    assert math.isclose(planner.pick_s(long), 10 * planner.pick_s(short))
+    assert math.isclose(planner.vendor_s(long), 10 * planner.vendor_s(short))
+    assert math.isclose(planner.pick_s(unmeasured), planner.pick_s(long))
+    assert Planner([long], None, lambda: 0.0, Costs(), rep_ms=math.inf).pick_s(long) == planner.pick_s(short)
+
+
+def test_one_problem_of_long_calls_among_short_ones_is_kept_time_for():
+    """DeepSeek-V3 prefill on an H100 (`--shapes mla`): one backward problem's calls take ~100 ms, its
+    pick 33 s where 5.5 s was kept back, and the run overran its budget by over 20 s. Here its calls
+    take 60 ms (6x the vendor pass and pick of the others): the reserve at the end of the seed pass
+    holds its pick, and the run ends within its budget; costed per op only, it overruns."""
+    families = {"triton": TRITON, "gluon": GLUON}
+    budget, ends = 240.0, {}
+    for rep_ms in (100.0, math.inf):  # (an infinite rep_ms: no call is long, the costs per op only)
+        sim = Sim(problems=8, families=families, vendor_s=2.6, pick_s=2.2, ops=["fwd"] * 4 + ["bwd"] * 4,
+                  bwd_costs=(9.7, 5.5), call_ms=[1.0] * 7 + [60.0])
+        planner = plan(sim, budget, rep_ms=rep_ms, pick_s=2.2)
+        planner.done = reserve_after_seeds(planner, ends, rep_ms)
+        sim.run(planner)
+        assert sim.picked == set(range(8))
+        ends[rep_ms, "t"] = sim.t
+    picks = 4 * 2.2 + 3 * 5.5 + 6 * 5.5  # (what the simulated picks take)
+    assert ends[100.0, "reserve"] >= picks > ends[math.inf, "reserve"] + 20
+    assert ends[math.inf, "t"] > budget + 20, ends
+    assert ends[100.0, "t"] <= budget + TRITON.measure_s, ends
+
+
+def reserve_after_seeds(planner: Planner, ends: dict, key) -> callable:
+    """planner.done, which records the reserve into ends[key, "reserve"] when the seed pass ends."""
+    done = planner.done
+
+    def recorded(step: Step, **kwargs):
+        done(step, **kwargs)
+        if step.kind == "seeds" and all(p.seeded for p in planner.problems):
+            ends[key, "reserve"] = planner.reserve_s()
+
+    return recorded
+
+
+def test_a_long_pick_does_not_raise_a_short_problems_estimate():
+    """Observed durations are divided by the problem's scale before they are averaged: a long
+    problem's 10x pick leaves a short one's estimate at the base, and vice versa."""
+    clock = [0.0]
+    long, short = (ProblemPlan(label, [], vendor_ms=ms, vendor_done=True, seeded=True)
+                   for label, ms in (("long", 100.0), ("short", 1.0)))
+    planner = Planner([long, short], 600.0, lambda: clock[0], Costs(pick_s=2.0), rep_ms=100.0)
+    step = planner.next_step()
+    assert step == Step("pick", 0)
+    clock[0] += 20.0  # (10x a short problem's 2 s)
+    planner.done(step)
+    assert planner.pick_s(short) == 2.0 and planner.costs.pick("fwd") == 2.0
+    step = planner.next_step()
+    clock[0] += 3.0
+    planner.done(step)
+    assert planner.costs.pick("fwd") == 2.5 and math.isclose(planner.pick_s(long), 25.0)
 
 
 def test_the_pool_is_kept_busy_ahead_of_the_gpu():

@@ -73,7 +73,12 @@ def plan_of(ps) -> ProblemPlan:
     arms = [Arm(f, ps.caps[f], len(ps.seeds[f]), measured=ps.counted.get(f, 0), best_ms=ps.best_ms([f]))
             for f in ps.own]
     return ProblemPlan(ps.shape.label(), arms, op=ps.problem.op, has_vendor=bool(ps.vendor),
-                       vendor_ms=ps.best_ms(ps.vendor))
+                       vendor_ms=ps.best_ms(ps.vendor), flops=timed_flops(ps.shape))
+
+
+def timed_flops(shape: Shape) -> float:
+    """FLOPs of one timed call: a backward problem's times forward and backward (as `timing.tflops`)."""
+    return (dataclasses.replace(shape, op="fwdbwd") if shape.op == "bwd" else shape).flops()
 
 
 def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Reporter, start: float,
@@ -91,7 +96,10 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
         index.append(i)
     plans = [plan_of(ps) for ps in searches]
     batch = options.compile_workers if tuner.compilers else 1
-    planner = Planner(plans, options.budget_s, options.clock, costs_for(options), start=start, batch=batch)
+    # The interpreter times one call, not rep_ms of repetitions: its long calls cost no more (scale 1).
+    rep_ms = math.inf if options.interpret else options.rep_ms
+    planner = Planner(plans, options.budget_s, options.clock, costs_for(options), start=start, batch=batch,
+                      rep_ms=rep_ms)
     _compile_seeds(tuner, planner, searches)
     phases = dict.fromkeys(("startup", "vendor", "seed", "rounds", "picks"), 0.0)
     phases["startup"] = options.clock() - start  # (the workers' start, the problems opened)

@@ -27,15 +27,23 @@ NEAR = 0.15  # own/vendor time ratio over which an own gain stops mattering (it 
 PRIOR_GAIN = 0.3  # expected relative gain of the next candidate, / (candidates measured + 2)
 AHEAD_BATCHES = 3  # compile batches kept queued ahead of the GPU (`Planner.horizon_s`)
 STALLED = 0.002  # a step that gained less per candidate than this did not improve the search
+# `timing._device_ms_interleaved` times every method at least this many repetitions: a call longer
+# than rep_ms / MIN_REPS makes a vendor pass or a pick last in proportion to it (`Planner.scale`).
+MIN_REPS = 10
+# FLOP/s a problem's call is assumed to run at until its vendor pass measures it (an H100's flash
+# attention in bf16 runs ~300-600 TFLOP/s: the low end, so an unmeasured problem is not costed short).
+NOMINAL_FLOPS_PER_S = 300e12
 
 
 @dataclasses.dataclass
 class Costs:
     """Seconds of each kind of work: priors (an H100, Triton 3.6: a compile batch ~8 s, vendor
-    backends ~3 s a forward problem), replaced by what the run measures as it goes."""
+    backends ~3 s a forward problem), replaced by what the run measures as it goes. vendor_s and
+    pick_s are a problem's whose calls are short (`Planner.scale` 1): the planner scales them up for
+    a problem with long calls, and scales its measured durations down before they are observed."""
 
-    vendor_s: float = 3.0  # every vendor candidate of one forward problem
-    pick_s: float = 4.0  # one forward problem's final re-measure
+    vendor_s: float = 3.0  # every vendor candidate of one forward problem (of short calls)
+    pick_s: float = 4.0  # one forward problem's final re-measure (of short calls)
     # A backward problem's vendor pass and pick time a forward and a backward pass, five vendor pairs
     # instead of three backends (an H100, 22 problems: vendor 2.6 s a forward problem, 9.7 s a
     # backward one; picks 2.2 s and 5.5 s): one op's durations say little about another's, and a
@@ -97,6 +105,7 @@ class ProblemPlan:
     op: str = "fwd"
     has_vendor: bool = True
     vendor_ms: float = math.inf
+    flops: float = 0.0  # of one timed call (a backward problem: forward and backward): its time before measured
     stage: str = "waiting"  # waiting | vendor only | seeded | searched | picked
     served: str = ""  # after the pick: "own" or "vendor" ("" when nothing was stored)
     vendor_done: bool = False
@@ -140,8 +149,9 @@ class Snapshot:
 
 class Planner:
     def __init__(self, problems: list[ProblemPlan], budget_s: float | None, clock: Callable[[], float],
-                 costs: Costs | None = None, start: float | None = None, batch: int = 1):
+                 costs: Costs | None = None, start: float | None = None, batch: int = 1, rep_ms: float = 100.0):
         self.problems, self.clock, self.costs = problems, clock, costs or Costs()
+        self.rep_ms = rep_ms  # the run's timing length (`TuneOptions.rep_ms`): what a call is long against
         self.start = clock() if start is None else start
         self.end = None if budget_s is None else self.start + budget_s
         self.batch = max(1, batch)  # candidates per search step: one compile batch
@@ -153,7 +163,31 @@ class Planner:
         return math.inf if self.end is None else self.end - self.clock()
 
     def vendor_left_s(self) -> float:
-        return sum(self.costs.vendor(p.op) for p in self.problems if p.has_vendor and not p.vendor_done)
+        return sum(self.vendor_s(p) for p in self.problems if p.has_vendor and not p.vendor_done)
+
+    def picks_left_s(self) -> float:
+        return sum(self.pick_s(p) for p in self.problems if not p.picked)
+
+    # ------------------------------------------------------------------ a problem's costs
+    def call_ms(self, p: ProblemPlan) -> float:
+        """One call's time: the vendor's measured (a backward problem's: the pair's), else the best
+        own candidate's, else the estimate from its FLOPs (0 where it has none)."""
+        for ms in (p.vendor_ms, p.own_ms):
+            if math.isfinite(ms):
+                return ms
+        return p.flops / NOMINAL_FLOPS_PER_S * 1e3
+
+    def scale(self, p: ProblemPlan) -> float:
+        """How much longer than a problem of short calls its vendor pass and pick take: each timing
+        repeats a call MIN_REPS times at least, rep_ms worth where calls are short (a 100-ms backward
+        call at rep_ms 100: 10x, a 33-s pick where 5.5 s was kept back)."""
+        return max(1.0, MIN_REPS * self.call_ms(p) / self.rep_ms)
+
+    def vendor_s(self, p: ProblemPlan) -> float:
+        return self.costs.vendor(p.op) * self.scale(p)
+
+    def pick_s(self, p: ProblemPlan) -> float:
+        return self.costs.pick(p.op) * self.scale(p)
 
     def reserve_s(self) -> float:
         """Time kept back for what every problem must still get: its vendor pass, one seed (the
@@ -161,7 +195,7 @@ class Planner:
         overrun by them, never by anything else."""
         seeds = sum(min((self.costs.per(a.family) for a in p.arms if a.open()), default=0.0)
                     for p in self.problems if not p.seeded)
-        return self.vendor_left_s() + seeds + sum(self.costs.pick(p.op) for p in self.problems if not p.picked)
+        return self.vendor_left_s() + seeds + self.picks_left_s()
 
     def step_s(self, arm: Arm, n: int, at: float | None = None) -> float:
         """Expected seconds of n candidates of an arm in a step starting at `at` (default now): the
@@ -336,12 +370,13 @@ class Planner:
         now = self.clock()
         p = self.problems[step.problem]
         if step.kind == "vendor":
-            self.costs.observe("vendor_s", now - self._t0, op=p.op)
+            p.vendor_ms = vendor_ms if vendor_ms is not None else p.vendor_ms  # (first: the scale is of this call)
+            # Per problem of short calls: one of long calls would inflate every other's estimate.
+            self.costs.observe("vendor_s", (now - self._t0) / self.scale(p), op=p.op)
             p.vendor_done = True
-            p.vendor_ms = vendor_ms if vendor_ms is not None else p.vendor_ms
             p.stage = "vendor only" if p.stage == "waiting" else p.stage
         elif step.kind == "pick":
-            self.costs.observe("pick_s", now - self._t0, op=p.op)
+            self.costs.observe("pick_s", (now - self._t0) / self.scale(p), op=p.op)
             p.picked, p.stage, p.served = True, "picked", served
         else:
             asked = dict(step.counts)
@@ -377,7 +412,7 @@ class Planner:
         """Seconds until the run is expected to end: the work left, bounded by the budget."""
         todo = self.vendor_left_s()
         todo += sum(self.step_s(a, a.open()) for p in self.problems if not p.picked for a in p.arms)
-        todo += sum(self.costs.pick(p.op) for p in self.problems if not p.picked)
+        todo += self.picks_left_s()
         return max(0.0, min(todo, self.left()))
 
     def snapshot(self) -> Snapshot:

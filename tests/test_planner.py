@@ -285,6 +285,18 @@ def test_no_step_reaches_into_the_time_kept_for_the_picks():
     assert sim.t <= budget
 
 
+def test_the_eta_past_a_too_small_budget_counts_what_every_problem_still_needs():
+    """Ten problems on a 5 s budget: past the budget, with vendor passes still to come, the ETA is the
+    work every problem must still get, not 0:00 (as the progress bar said on an H100)."""
+    sim = Sim(problems=10, families={"triton": TRITON})
+    planner = plan(sim, 5.0)
+    assert planner.reserve_s() > planner.left()  # (the run says so when it starts)
+    step = planner.next_step()
+    sim.t += 10.0  # a slow first vendor pass: the budget is spent
+    planner.done(step, vendor_ms=1.0)
+    assert planner.left() < 0 and planner.eta_s() >= planner.reserve_s() > 0
+
+
 def test_eta_progress_and_states():
     sim = Sim(problems=3, families={"triton": TRITON})
     planner = plan(sim, 60.0)

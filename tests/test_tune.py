@@ -77,6 +77,23 @@ def test_tune_cli_says_when_the_budget_cut_searches_short(tmp_path):
     assert "larger --budget continues them" in text
 
 
+def test_tune_cli_says_when_the_budget_is_below_what_every_problem_needs(tmp_path):
+    """A budget smaller than the passes every problem gets (here 0.6 s for two problems) is overrun by
+    them: the run says so when it starts and still stores a winner for each problem."""
+    shapes = tmp_path / "two.toml"
+    shapes.write_text("".join(f"[[shape]]\nbatch = 1\nheads_q = 2\nseqlen_q = {n}\nseqlen_k = {n}\n"
+                              "head_dim = 32\ncausal = true\ndtype = \"float16\"\n" for n in (37, 100)))  # (two buckets: q64, q128)
+    db = tmp_path / "t.db"
+    r = CliRunner().invoke(cli, ["tune", "--interpret", "--db", str(db), "--shapes", str(shapes),
+                                 "--trials", "3", "--budget", "0.01"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "The budget of 0.0 min is below what every problem's vendor pass, seed and pick" in text
+    store = Store(db)
+    assert len(store.winners()) == 2
+    store.close()
+
+
 def test_tune_without_gpu_says_a_gpu_is_needed(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # stands in for "no usable CUDA" on any machine
     r = CliRunner().invoke(cli, ["tune"])

@@ -70,6 +70,13 @@ class RichReporter:
                     snapshot, f"after the {PHASES[done]} at {_clock(snapshot.elapsed_s)} "
                               f"(ETA {_clock(snapshot.eta_s)} more)"))
 
+    def budget_short(self, budget_s, needed_s):
+        self.progress.console.print(
+            f"[yellow]The budget of {budget_s / 60:.1f} min is below what every problem's vendor pass, seed and "
+            f"pick are expected to take (about {needed_s / 60:.1f} min here): the run takes that long, so that "
+            f"each problem ends with a measured winner, and searches nothing beyond. Fewer --shapes or a "
+            f"larger --budget leave time to search.[/]")
+
     def problem_done(self, result):
         if result.winner is not None:
             vendor = load_space(result.winner.family).vendor

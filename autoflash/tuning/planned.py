@@ -101,6 +101,8 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
     planner = Planner(plans, options.budget_s, options.clock, costs_for(options), start=start, batch=batch,
                       rep_ms=rep_ms)
     _compile_seeds(tuner, planner, searches)
+    if options.budget_s is not None and planner.reserve_s() > planner.left():
+        reporter.budget_short(options.budget_s, options.clock() - start + planner.reserve_s())
     phases = dict.fromkeys(("startup", "vendor", "seed", "rounds", "picks"), 0.0)
     phases["startup"] = options.clock() - start  # (the workers' start, the problems opened)
     idle, own0, vendor0 = 0.0, tuner.own_measured, tuner.vendor_measured

@@ -409,11 +409,13 @@ class Planner:
         return "picks" if any(not p.picked for p in self.problems) else "done"
 
     def eta_s(self) -> float:
-        """Seconds until the run is expected to end: the work left, bounded by the budget."""
+        """Seconds until the run is expected to end: the work left, bounded by the budget, but never
+        below what every problem must still get (`reserve_s`): a budget smaller than that is overrun,
+        and an ETA of 0:00 while 24 vendor passes were still to come said otherwise."""
         todo = self.vendor_left_s()
         todo += sum(self.step_s(a, a.open()) for p in self.problems if not p.picked for a in p.arms)
         todo += self.picks_left_s()
-        return max(0.0, min(todo, self.left()))
+        return max(0.0, min(todo, max(self.left(), self.reserve_s())))
 
     def snapshot(self) -> Snapshot:
         rows = [Row(p.label, p.stage, p.own_ms, p.vendor_ms, sum(a.measured for a in p.arms),

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoflash.tuning.planner import MIN_REPS, NOMINAL_FLOPS_PER_S, Arm, Costs, Planner, ProblemPlan, Step
+from autoflash.tuning.planner import (CALLS_PER_TIMING, NOMINAL_FLOPS_PER_S, VENDOR_TIMINGS, WALL_PER_TIMING, Arm,
+                                     Costs, Planner, ProblemPlan, Step)
 
 
 @dataclasses.dataclass
@@ -39,7 +40,7 @@ class Sim:
         self.vendor, self.picked = set(), set()
         self.own_scale = own_scale or [1.0] * problems
         # Each problem's call (the vendor's); a long one's vendor pass and pick last longer, as on a GPU
-        # where every timing repeats a call MIN_REPS times at least.
+        # where every timing makes CALLS_PER_TIMING calls at least.
         self.call_ms, self.rep_ms = call_ms or [1.0] * problems, rep_ms
         self.deadlines = []
         self.idle = 0.0  # the GPU's wait on compiles
@@ -52,8 +53,8 @@ class Sim:
         return [ProblemPlan(f"p{i}", [Arm(f, fam.cap, fam.seeds) for f, fam in self.families.items()], op=self.ops[i])
                 for i in range(len(self.own_scale))]
 
-    def scale(self, i: int) -> float:
-        return max(1.0, MIN_REPS * self.call_ms[i] / self.rep_ms)
+    def extra(self, i: int, timings: int) -> float:
+        return timings * max(0.0, CALLS_PER_TIMING * self.call_ms[i] - WALL_PER_TIMING * self.rep_ms) / 1e3
 
     def compile(self, i: int, family: str, n: int, after: int = 0) -> None:
         """The arm's next n candidates (after `after` more), compiled on the first free workers."""
@@ -77,11 +78,11 @@ class Sim:
         while (step := planner.next_step()) is not None:
             i = step.problem
             if step.kind == "vendor":
-                self.t += (self.bwd_vendor_s if self.ops[i] == "bwd" else self.vendor_s) * self.scale(i)
+                self.t += (self.bwd_vendor_s if self.ops[i] == "bwd" else self.vendor_s) + self.extra(i, VENDOR_TIMINGS[self.ops[i]])
                 self.vendor.add(i)
                 planner.done(step, vendor_ms=self.call_ms[i])
             elif step.kind == "pick":
-                self.t += (self.bwd_pick_s if self.ops[i] == "bwd" else self.pick_s) * self.scale(i)
+                self.t += (self.bwd_pick_s if self.ops[i] == "bwd" else self.pick_s) + self.extra(i, 21)
                 self.picked.add(i)
                 planner.done(step, served="own")
             else:
@@ -173,24 +174,24 @@ def test_backward_problems_picks_are_not_costed_by_a_forward_one():
     assert all(sum(sim.measured[(i, f)] for f in families) >= 1 for i in range(22))
 
 
-def test_a_problem_of_long_calls_costs_its_vendor_pass_and_pick_in_proportion():
-    """Every timing repeats a call MIN_REPS times at least: at rep_ms 100 a problem whose calls take
-    100 ms has a vendor pass and a pick 10x a 1-ms one's; before its vendor pass measures the call,
-    its FLOPs say how long it is."""
+def test_a_problem_of_long_calls_costs_its_vendor_pass_and_pick_by_its_calls():
+    """Every timing makes CALLS_PER_TIMING calls at least: at rep_ms 100 a problem whose calls take
+    100 ms has a pick 21 x (2 s - 0.15 s) longer than a 1-ms one's (21 timings) and a vendor pass 6
+    timings' worth longer; before its vendor pass measures the call, its FLOPs say how long it is."""
     short, long = ProblemPlan("short", [], vendor_ms=1.0), ProblemPlan("long", [], vendor_ms=100.0)
     unmeasured = ProblemPlan("unmeasured", [], flops=0.1 * NOMINAL_FLOPS_PER_S)  # (100 ms at the nominal rate)
-    planner = Planner([short, long, unmeasured], None, lambda: 0.0, Costs(), rep_ms=100.0)
-    assert planner.pick_s(short) == planner.costs.pick("fwd")
-    assert math.isclose(planner.pick_s(long), 10 * planner.pick_s(short))
-    assert math.isclose(planner.vendor_s(long), 10 * planner.vendor_s(short))
+    planner = Planner([short, long, unmeasured], None, lambda: 0.0, Costs(), rep_ms=100.0, pick_timings=21)
+    assert planner.pick_s(short) == planner.costs.pick("fwd") and planner.vendor_s(short) == planner.costs.vendor("fwd")
+    assert math.isclose(planner.pick_s(long), planner.pick_s(short) + 21 * 1.85)
+    assert math.isclose(planner.vendor_s(long), planner.vendor_s(short) + 6 * 1.85)
     assert math.isclose(planner.pick_s(unmeasured), planner.pick_s(long))
     assert Planner([long], None, lambda: 0.0, Costs(), rep_ms=math.inf).pick_s(long) == planner.pick_s(short)
 
 
 def test_one_problem_of_long_calls_among_short_ones_is_kept_time_for():
     """DeepSeek-V3 prefill on an H100 (`--shapes mla`): one backward problem's calls take ~100 ms, its
-    pick 33 s where 5.5 s was kept back, and the run overran its budget by over 20 s. Here its calls
-    take 60 ms (6x the vendor pass and pick of the others): the reserve at the end of the seed pass
+    pick over 33 s where 5.5 s was kept back, and the run overran its budget by over 20 s. Here its calls
+    take 60 ms (its pick 22 s longer than the others'): the reserve at the end of the seed pass
     holds its pick, and the run ends within its budget; costed per op only, it overruns."""
     families = {"triton": TRITON, "gluon": GLUON}
     budget, ends = 240.0, {}
@@ -202,7 +203,7 @@ def test_one_problem_of_long_calls_among_short_ones_is_kept_time_for():
         sim.run(planner)
         assert sim.picked == set(range(8))
         ends[rep_ms, "t"] = sim.t
-    picks = 4 * 2.2 + 3 * 5.5 + 6 * 5.5  # (what the simulated picks take)
+    picks = 4 * 2.2 + 4 * 5.5 + 21 * (CALLS_PER_TIMING * 60.0 - WALL_PER_TIMING * 100.0) / 1e3  # (as simulated)
     assert ends[100.0, "reserve"] >= picks > ends[math.inf, "reserve"] + 20
     assert ends[math.inf, "t"] > budget + 20, ends
     assert ends[100.0, "t"] <= budget + TRITON.measure_s, ends
@@ -221,21 +222,21 @@ def reserve_after_seeds(planner: Planner, ends: dict, key) -> callable:
 
 
 def test_a_long_pick_does_not_raise_a_short_problems_estimate():
-    """Observed durations are divided by the problem's scale before they are averaged: a long
-    problem's 10x pick leaves a short one's estimate at the base, and vice versa."""
+    """What long calls added is taken off a measured duration before it is averaged: a long problem's
+    pick leaves a short one's estimate at the base, and a short one's pick moves the base."""
     clock = [0.0]
     long, short = (ProblemPlan(label, [], vendor_ms=ms, vendor_done=True, seeded=True)
                    for label, ms in (("long", 100.0), ("short", 1.0)))
-    planner = Planner([long, short], 600.0, lambda: clock[0], Costs(pick_s=2.0), rep_ms=100.0)
+    planner = Planner([long, short], 600.0, lambda: clock[0], Costs(pick_s=2.0), rep_ms=100.0, pick_timings=21)
     step = planner.next_step()
     assert step == Step("pick", 0)
-    clock[0] += 20.0  # (10x a short problem's 2 s)
+    clock[0] += 2.0 + 21 * 1.85  # (as costed)
     planner.done(step)
-    assert planner.pick_s(short) == 2.0 and planner.costs.pick("fwd") == 2.0
+    assert math.isclose(planner.pick_s(short), 2.0) and math.isclose(planner.costs.pick("fwd"), 2.0)
     step = planner.next_step()
     clock[0] += 3.0
     planner.done(step)
-    assert planner.costs.pick("fwd") == 2.5 and math.isclose(planner.pick_s(long), 25.0)
+    assert math.isclose(planner.costs.pick("fwd"), 2.5) and math.isclose(planner.pick_s(long), 2.5 + 21 * 1.85)
 
 
 def test_the_pool_is_kept_busy_ahead_of_the_gpu():

@@ -99,7 +99,7 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
     # The interpreter times one call, not rep_ms of repetitions: its long calls cost no more (scale 1).
     rep_ms = math.inf if options.interpret else options.rep_ms
     planner = Planner(plans, options.budget_s, options.clock, costs_for(options), start=start, batch=batch,
-                      rep_ms=rep_ms)
+                      rep_ms=rep_ms, pick_timings=(options.top_k + 4) * options.rounds)  # (as `costs_for`)
     _compile_seeds(tuner, planner, searches)
     if options.budget_s is not None and planner.reserve_s() > planner.left():
         reporter.budget_short(options.budget_s, options.clock() - start + planner.reserve_s())

@@ -27,9 +27,14 @@ NEAR = 0.15  # own/vendor time ratio over which an own gain stops mattering (it 
 PRIOR_GAIN = 0.3  # expected relative gain of the next candidate, / (candidates measured + 2)
 AHEAD_BATCHES = 3  # compile batches kept queued ahead of the GPU (`Planner.horizon_s`)
 STALLED = 0.002  # a step that gained less per candidate than this did not improve the search
-# `timing._device_ms_interleaved` times every method at least this many repetitions: a call longer
-# than rep_ms / MIN_REPS makes a vendor pass or a pick last in proportion to it (`Planner.scale`).
-MIN_REPS = 10
+# `timing._device_ms_interleaved`: a timing makes this many calls at least (10 repetitions, 9 to
+# estimate the call and its host time, a warm-up) and lasts ~WALL_PER_TIMING x rep_ms where calls are
+# short; where they are long, the calls' time is what counts (`Planner.extra_s`).
+CALLS_PER_TIMING = 20
+WALL_PER_TIMING = 1.5
+# Timings of a problem's vendor pass: each vendor candidate is timed twice (a short first look, then in
+# full), 3 SDPA backends for a forward problem, 5 training pairs for a backward one.
+VENDOR_TIMINGS = {"fwd": 6, "bwd": 10}
 # FLOP/s a problem's call is assumed to run at until its vendor pass measures it (an H100's flash
 # attention in bf16 runs ~300-600 TFLOP/s: the low end, so an unmeasured problem is not costed short).
 NOMINAL_FLOPS_PER_S = 300e12
@@ -39,8 +44,8 @@ NOMINAL_FLOPS_PER_S = 300e12
 class Costs:
     """Seconds of each kind of work: priors (an H100, Triton 3.6: a compile batch ~8 s, vendor
     backends ~3 s a forward problem), replaced by what the run measures as it goes. vendor_s and
-    pick_s are a problem's whose calls are short (`Planner.scale` 1): the planner scales them up for
-    a problem with long calls, and scales its measured durations down before they are observed."""
+    pick_s are a problem's whose calls are short: the planner adds the time of long calls
+    (`Planner.extra_s`), and takes it off a measured duration before it is observed."""
 
     vendor_s: float = 3.0  # every vendor candidate of one forward problem (of short calls)
     pick_s: float = 4.0  # one forward problem's final re-measure (of short calls)
@@ -149,9 +154,11 @@ class Snapshot:
 
 class Planner:
     def __init__(self, problems: list[ProblemPlan], budget_s: float | None, clock: Callable[[], float],
-                 costs: Costs | None = None, start: float | None = None, batch: int = 1, rep_ms: float = 100.0):
+                 costs: Costs | None = None, start: float | None = None, batch: int = 1, rep_ms: float = 100.0,
+                 pick_timings: int = 21):
         self.problems, self.clock, self.costs = problems, clock, costs or Costs()
         self.rep_ms = rep_ms  # the run's timing length (`TuneOptions.rep_ms`): what a call is long against
+        self.pick_timings = pick_timings  # timings in a pick: its methods (top_k + ~4) x rounds
         self.start = clock() if start is None else start
         self.end = None if budget_s is None else self.start + budget_s
         self.batch = max(1, batch)  # candidates per search step: one compile batch
@@ -177,17 +184,18 @@ class Planner:
                 return ms
         return p.flops / NOMINAL_FLOPS_PER_S * 1e3
 
-    def scale(self, p: ProblemPlan) -> float:
-        """How much longer than a problem of short calls its vendor pass and pick take: each timing
-        repeats a call MIN_REPS times at least, rep_ms worth where calls are short (a 100-ms backward
-        call at rep_ms 100: 10x, a 33-s pick where 5.5 s was kept back)."""
-        return max(1.0, MIN_REPS * self.call_ms(p) / self.rep_ms)
+    def extra_s(self, p: ProblemPlan, timings: int) -> float:
+        """Seconds that `timings` timings of a problem with long calls take beyond a short-call
+        problem's: each makes CALLS_PER_TIMING calls at least, where a short call's timing lasts
+        WALL_PER_TIMING x rep_ms (a 100-ms backward call at rep_ms 40, 21 timings in a pick: ~41 s
+        more; on an H100 such a pick outlasted the 5.5 s kept back by over 28 s and the run overran)."""
+        return timings * max(0.0, CALLS_PER_TIMING * self.call_ms(p) - WALL_PER_TIMING * self.rep_ms) / 1e3
 
     def vendor_s(self, p: ProblemPlan) -> float:
-        return self.costs.vendor(p.op) * self.scale(p)
+        return self.costs.vendor(p.op) + self.extra_s(p, VENDOR_TIMINGS.get(p.op, VENDOR_TIMINGS["fwd"]))
 
     def pick_s(self, p: ProblemPlan) -> float:
-        return self.costs.pick(p.op) * self.scale(p)
+        return self.costs.pick(p.op) + self.extra_s(p, self.pick_timings)
 
     def reserve_s(self) -> float:
         """Time kept back for what every problem must still get: its vendor pass, one seed (the
@@ -371,12 +379,12 @@ class Planner:
         p = self.problems[step.problem]
         if step.kind == "vendor":
             p.vendor_ms = vendor_ms if vendor_ms is not None else p.vendor_ms  # (first: the scale is of this call)
-            # Per problem of short calls: one of long calls would inflate every other's estimate.
-            self.costs.observe("vendor_s", (now - self._t0) / self.scale(p), op=p.op)
+            # As a problem of short calls: one of long calls would inflate every other's estimate.
+            self._observe_short("vendor_s", now - self._t0, self.vendor_s(p) - self.costs.vendor(p.op), p.op)
             p.vendor_done = True
             p.stage = "vendor only" if p.stage == "waiting" else p.stage
         elif step.kind == "pick":
-            self.costs.observe("pick_s", (now - self._t0) / self.scale(p), op=p.op)
+            self._observe_short("pick_s", now - self._t0, self.pick_s(p) - self.costs.pick(p.op), p.op)
             p.picked, p.stage, p.served = True, "picked", served
         else:
             asked = dict(step.counts)
@@ -407,6 +415,12 @@ class Planner:
         if self._ranked():
             return "rounds"
         return "picks" if any(not p.picked for p in self.problems) else "done"
+
+    def _observe_short(self, kind: str, seconds: float, extra: float, op: str) -> None:
+        """A measured vendor pass or pick, less what its long calls added: where the estimate of
+        that exceeds the whole, the duration says nothing about short problems and is not kept."""
+        if seconds - extra > 0:
+            self.costs.observe(kind, seconds - extra, op=op)
 
     def eta_s(self) -> float:
         """Seconds until the run is expected to end: the work left, bounded by the budget, but never

@@ -286,6 +286,20 @@ def test_no_step_reaches_into_the_time_kept_for_the_picks():
     assert sim.t <= budget
 
 
+def test_a_long_vendor_pass_is_judged_by_the_call_it_measured():
+    """A problem with no FLOP estimate and no time yet: its vendor pass measures 100-ms calls and lasts
+    as long as that makes it. The duration is judged with the call just measured (its long calls'
+    time taken off), so the short-call vendor cost stays at its prior."""
+    clock = [0.0]
+    p = ProblemPlan("long", [], op="fwd")
+    planner = Planner([p], 600.0, lambda: clock[0], Costs(vendor_s=3.0), rep_ms=100.0)
+    step = planner.next_step()
+    assert step == Step("vendor", 0) and planner.vendor_s(p) == 3.0  # (nothing says its calls are long yet)
+    clock[0] += 3.0 + 6 * (CALLS_PER_TIMING * 100.0 - WALL_PER_TIMING * 100.0) / 1e3
+    planner.done(step, vendor_ms=100.0)
+    assert math.isclose(planner.costs.vendor("fwd"), 3.0)
+
+
 def test_the_eta_past_a_too_small_budget_counts_what_every_problem_still_needs():
     """Ten problems on a 5 s budget: past the budget, with vendor passes still to come, the ETA is the
     work every problem must still get, not 0:00 (as the progress bar said on an H100)."""

@@ -253,6 +253,67 @@ def test_a_vendor_pair_with_an_own_half_meets_the_tie_margin_too(pair_ms, stored
     assert vendor_on_a_tie(keys[mixed], list(medians), medians) == keys[whole if stored == "all-vendor" else mixed]
 
 
+def _remeasure_table(methods, op, shape, rounds, rep_ms, device_str):
+    """Re-measure hook (run in a worker process): each method at its ms in the JSON table of
+    $AUTOFLASH_TEST_REMEASURED (NaN for the SDPA yardstick columns)."""
+    import json
+    import os
+
+    table = json.loads(os.environ["AUTOFLASH_TEST_REMEASURED"])
+    return {"samples": {m: [table.get(m, float("nan"))] * rounds for m in methods}}
+
+
+def test_the_pick_re_measures_sdpas_whole_pair_beside_a_pair_with_an_own_half(tmp_path, monkeypatch):
+    """The vendor pass found the own forward before SDPA's backward (0.95 ms) ahead of SDPA's whole pair
+    (1.0 ms); the re-measure has them at 0.99 and 1.0 ms: a tie, so SDPA's whole pair is stored. It
+    must be re-measured for that, though it is neither the fastest vendor candidate nor in the top k."""
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.tuner import Tuner
+
+    bwd = Shape(**{**SHAPE.__dict__, "op": "bwd"})
+    own = default_variant("bwd", bwd.problem, DEVICE)
+    whole, mixed = sdpa("bwd", "flash"), sdpa("bwd", "flash", forward="autoflash")
+    keys = {v: f"{v.family}:{v.json()}" for v in (own, whole, mixed)}
+    monkeypatch.setenv("AUTOFLASH_TEST_REMEASURED", json.dumps({keys[own]: 1.2, keys[whole]: 1.0, keys[mixed]: 0.99}))
+    done = {keys[own]: {"status": "ok", "median_ms": 0.9}, keys[mixed]: {"status": "ok", "median_ms": 0.95},
+            keys[whole]: {"status": "ok", "median_ms": 1.0}}
+    store = Store(tmp_path / "t.db")
+    tuner = Tuner(store, TuneOptions(trials=1, top_k=1, interpret=True, trial_timeout_s=60,
+                                     remeasure_fn=_remeasure_table), device=DEVICE)
+    try:
+        result = tuner._pick_winner(bwd, bwd.problem, done, own, measured=3, failed=0)
+    finally:
+        tuner.close("done", 1)
+    store.close()
+    assert result.status == "tuned" and result.winner == whole
+
+
+def test_a_stored_own_kernel_keeps_its_place_against_a_pair_with_an_own_half_within_the_noise(tmp_path, monkeypatch):
+    """Stored: the own backward (1.0 ms). Re-measured: a pair with an own half at 0.995 ms, inside the
+    1% noise band: both are own code, so the stored winner stays (no flapping between re-tunes)."""
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.tuner import Tuner
+
+    bwd = Shape(**{**SHAPE.__dict__, "op": "bwd"})
+    own = default_variant("bwd", bwd.problem, DEVICE)
+    whole, mixed = sdpa("bwd", "flash"), sdpa("bwd", "flash", forward="autoflash")
+    keys = {v: f"{v.family}:{v.json()}" for v in (own, whole, mixed)}
+    monkeypatch.setenv("AUTOFLASH_TEST_REMEASURED", json.dumps({keys[own]: 1.0, keys[whole]: 1.05, keys[mixed]: 0.995}))
+    done = {key: {"status": "ok", "median_ms": 1.0} for key in keys.values()}
+    store = Store(tmp_path / "t.db")
+    store.add_gpu(DEVICE)
+    tuner = Tuner(store, TuneOptions(trials=1, interpret=True, trial_timeout_s=60, remeasure_fn=_remeasure_table),
+                  device=DEVICE)
+    store.set_winner(gpu_key=tuner.gpu_key, problem=bwd.problem, template_hash=codegen.template_hash(own.family),
+                     variant_json=own.json(), median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
+    try:
+        result = tuner._pick_winner(bwd, bwd.problem, done, own, measured=3, failed=0)
+    finally:
+        tuner.close("done", 1)
+    store.close()
+    assert result.status == "tuned" and result.winner == own
+
+
 def test_the_dispatcher_ranks_a_pair_with_an_own_half_as_own_code(tmp_path):
     """Stored in one DB, an own backward 1% faster than a pair with an own half serves: between the two
     no tie margin applies (both hold own code); before, the pair was ranked as all-vendor and served."""

@@ -273,9 +273,13 @@ def _tune_one(workers_mod, shape_list, store, options, command, summaries):
 
 def _tune_many(workers_mod, shape_list, store, options, n, gpus, command, summaries):
     """n worker processes; a line per winner as each is picked, a line per worker that failed."""
+    from autoflash.cli.tune_progress import budget_short_text
+
     def said(kind, worker, result):
         if kind == "summary":
             summaries.append(result)
+        if kind == "budget_short" and worker == 0:  # (each worker plans all problems: one says it)
+            console.print(f"[yellow]{budget_short_text(*result)}[/]")
         if kind != "problem" or result.picked_by or result.status == "picking_elsewhere":
             return
         if result.winner is not None:

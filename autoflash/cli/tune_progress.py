@@ -71,11 +71,7 @@ class RichReporter:
                               f"(ETA {_clock(snapshot.eta_s)} more)"))
 
     def budget_short(self, budget_s, needed_s):
-        self.progress.console.print(
-            f"[yellow]The budget of {budget_s / 60:.1f} min is below what every problem's vendor pass, seed and "
-            f"pick are expected to take (about {needed_s / 60:.1f} min here): the run takes that long, so that "
-            f"each problem ends with a measured winner, and searches nothing beyond. Fewer --shapes or a "
-            f"larger --budget leave time to search.[/]")
+        self.progress.console.print(f"[yellow]{budget_short_text(budget_s, needed_s)}[/]")
 
     def problem_done(self, result):
         if result.winner is not None:
@@ -95,6 +91,14 @@ class RichReporter:
         if self.step is not None:  # (the last pick's bar: the run bar says done)
             self.progress.remove_task(self.step)
             self.step = None
+
+
+def budget_short_text(budget_s: float, needed_s: float) -> str:
+    """What a run whose budget is below every problem's must-have passes says when it starts."""
+    return (f"The budget of {_clock(budget_s)} is below what every problem's vendor pass, seed and pick are "
+            f"expected to take (about {_clock(needed_s)} here): the run takes that long, so that each problem "
+            f"ends with a measured winner, and searches nothing beyond. Fewer --shapes or a larger --budget "
+            f"leave time to search.")
 
 
 def rate_line(summary) -> str:

@@ -13,7 +13,8 @@ from autoflash.tuning import sandbox
 from autoflash.tuning.results import ProblemResult, median
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.sandbox import Outcome
-from autoflash.tuning.winner_rows import is_vendor, store_winner_rows, vendor_on_a_tie
+from autoflash.tuning.winner_rows import is_all_vendor, is_vendor, store_winner_rows, vendor_on_a_tie
+from autoflash.vendor import VENDOR_TIE_MARGIN
 
 
 class PickWinner:
@@ -44,6 +45,8 @@ class PickWinner:
         best_vendor = next((key for key in ok if is_vendor(key)), None)
         if best_vendor:
             top.append(best_vendor)  # the bar: an own kernel is stored only where it beats it (below)
+            # (and SDPA's own kernels, whole: a pair with an own half must beat them by the tie margin)
+            top += [key for key in ok if is_all_vendor(key)][:1]
             top += [key for key in ok if not is_vendor(key)][:1]  # (stored beside a vendor win)
         top = [key for key in dict.fromkeys(top) if self._gated_this_run(key, done[key], candidates[key], shape)]
         if incumbent not in top:
@@ -70,8 +73,9 @@ class PickWinner:
         # Noise band: a re-tune keeps the stored winner unless a challenger beats it by more than
         # the winner's own round-to-round spread (at least 1%), so winners do not flap on noise.
         band = max(0.01, spread)
-        # (Not across the own/vendor line: there a tie goes to the vendor kernel, `vendor_on_a_tie`.)
-        if (incumbent in finite and winner_key != incumbent and is_vendor(incumbent) == is_vendor(winner_key)
+        # (Not across the line between SDPA's whole kernels and anything with own code, a pair with an
+        # own half too: there a tie goes to SDPA's, `vendor_on_a_tie`.)
+        if (incumbent in finite and winner_key != incumbent and is_all_vendor(incumbent) == is_all_vendor(winner_key)
                 and medians[incumbent] <= medians[winner_key] * (1 + band)):
             winner_key = incumbent
             spread = spread_of(samples.get(winner_key, []))
@@ -127,5 +131,7 @@ class PickWinner:
         rows = [(row["median_ms"], f"{family}:{row['variant']}") for family in families_for(problem.op)
                 for row in [self.store.winner(self.gpu_key, problem.key, codegen.template_hash(family))]
                 if row and isinstance(row.get("median_ms"), (int, float))]
-        served = min(rows, default=None)
+        # Ranked as the dispatcher ranks them: own code pays the tie margin against SDPA's whole kernels.
+        served = min(((ms if is_all_vendor(key) else ms * (1 + VENDOR_TIE_MARGIN), key) for ms, key in rows),
+                     default=None)
         return served[1] if served and served[1] in passed else None

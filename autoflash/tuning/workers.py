@@ -78,6 +78,9 @@ class _QueueReporter(Reporter):
     def step_started(self, kind, index, total, shape):
         self.events.put(("started", self.worker, (kind, index, total, shape)))
 
+    def budget_short(self, budget_s, needed_s):
+        self.events.put(("budget_short", self.worker, (budget_s, needed_s)))
+
     def problem_done(self, result):
         self.events.put(("problem", self.worker, result))
 
@@ -163,7 +166,7 @@ def tune_workers(shapes: list[Shape], db_path, options: TuneOptions, workers: in
     """Start `workers` worker processes on the same studies (worker i sees only GPU gpus[i]), wait
     for them. Returns one result per problem (the picking worker's) and one line per worker that
     failed or died (the others carry on: it loses only its running trial). on_event(kind, worker,
-    payload) sees 'started' and 'problem' events as they come."""
+    payload) sees 'started', 'budget_short' and 'problem' events as they come."""
     from autoflash.tuning.storage import make_storage
     from autoflash.tuning.results import representative_shapes
 

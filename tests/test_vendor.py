@@ -260,6 +260,9 @@ def _remeasure_table(methods, op, shape, rounds, rep_ms, device_str):
     import os
 
     table = json.loads(os.environ["AUTOFLASH_TEST_REMEASURED"])
+    if os.environ.get("AUTOFLASH_TEST_REMEASURE_LOG"):  # (what the pick asked for)
+        with open(os.environ["AUTOFLASH_TEST_REMEASURE_LOG"], "w") as f:
+            json.dump({"methods": methods, "rounds": rounds}, f)
     return {"samples": {m: [table.get(m, float("nan"))] * rounds for m in methods}}
 
 
@@ -312,6 +315,36 @@ def test_a_stored_own_kernel_keeps_its_place_against_a_pair_with_an_own_half_wit
         tuner.close("done", 1)
     store.close()
     assert result.status == "tuned" and result.winner == own
+
+
+@pytest.mark.parametrize("own_trial_ms, decided", [(1.2, True), (1.05, False)])
+def test_a_pick_that_trials_decided_re_measures_once(tmp_path, monkeypatch, own_trial_ms, decided):
+    """SDPA's kernel 20% ahead of every own candidate in the trials: the pick re-measures it and the
+    best own kernel once and stores SDPA's, the own kernel beside it; 5% ahead, the full pick runs."""
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.tuner import Tuner
+    from autoflash.tuning.winner_rows import vendor_decided
+
+    own = default_variant("fwd", SHAPE.problem, DEVICE)
+    vendor, own_key = f"sdpa_fwd:{sdpa('fwd', 'flash').json()}", f"{own.family}:{own.json()}"
+    done = {vendor: {"status": "ok", "median_ms": 1.0}, own_key: {"status": "ok", "median_ms": own_trial_ms}}
+    assert (vendor_decided([vendor, own_key], done) is not None) == decided
+    log = tmp_path / "remeasure.json"
+    monkeypatch.setenv("AUTOFLASH_TEST_REMEASURED", json.dumps({vendor: 1.0, own_key: own_trial_ms}))
+    monkeypatch.setenv("AUTOFLASH_TEST_REMEASURE_LOG", str(log))
+    store = Store(tmp_path / "t.db")
+    tuner = Tuner(store, TuneOptions(trials=1, rounds=3, interpret=True, trial_timeout_s=60,
+                                     remeasure_fn=_remeasure_table), device=DEVICE)
+    try:
+        result = tuner._pick_winner(SHAPE, SHAPE.problem, done, own, measured=2, failed=0)
+    finally:
+        tuner.close("done", 1)
+    stored = {r["template_hash"] for r in store.winners()}
+    store.close()
+    assert result.status == "tuned" and result.winner.family == "sdpa_fwd"
+    assert codegen.template_hash(own.family) in stored  # (the own kernel beside the vendor win)
+    asked = json.loads(log.read_text())
+    assert asked["rounds"] == (1 if decided else 3) and set(asked["methods"]) == {vendor, own_key}
 
 
 def test_the_dispatcher_ranks_a_pair_with_an_own_half_as_own_code(tmp_path):

@@ -13,7 +13,7 @@ from autoflash.tuning import sandbox
 from autoflash.tuning.results import ProblemResult, median
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.sandbox import Outcome
-from autoflash.tuning.winner_rows import is_all_vendor, is_vendor, store_winner_rows, vendor_on_a_tie
+from autoflash.tuning.winner_rows import is_all_vendor, is_vendor, store_winner_rows, vendor_decided, vendor_on_a_tie
 from autoflash.vendor import VENDOR_TIE_MARGIN
 
 
@@ -48,6 +48,9 @@ class PickWinner:
             # (and SDPA's own kernels, whole: a pair with an own half must beat them by the tie margin)
             top += [key for key in ok if is_all_vendor(key)][:1]
             top += [key for key in ok if not is_vendor(key)][:1]  # (stored beside a vendor win)
+        decided = vendor_decided(ok, done)
+        if decided:  # SDPA's kernel is clearly ahead: one round confirms it (and times what is stored beside it)
+            top = decided + ([incumbent] if incumbent else [])
         top = [key for key in dict.fromkeys(top) if self._gated_this_run(key, done[key], candidates[key], shape)]
         if incumbent not in top:
             incumbent = None
@@ -62,7 +65,8 @@ class PickWinner:
         if not self.opt.interpret:
             methods += ["sdpa_cudnn", "sdpa_flash"]
         result = self.sandbox.call(self.opt.remeasure_fn or sandbox.remeasure, (
-            methods, problem.op, shape, self.opt.rounds, self.opt.rep_ms, self.device_str), self.opt.trial_timeout_s)
+            methods, problem.op, shape, 1 if decided else self.opt.rounds, self.opt.rep_ms, self.device_str),
+            self.opt.trial_timeout_s)
         samples = {} if isinstance(result, Outcome) else result["samples"]
         medians = {m: median(samples.get(m, [])) for m in methods}
         finite = [m for m in top if math.isfinite(medians[m]) and medians[m] > 0]

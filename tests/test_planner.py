@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoflash.tuning.planner import (CALLS_PER_TIMING, NOMINAL_FLOPS_PER_S, VENDOR_TIMINGS, WALL_PER_TIMING, Arm,
+from autoflash.tuning.planner import (CALLS_PER_TIMING, DECIDED_PICK_TIMINGS, NOMINAL_FLOPS_PER_S, VENDOR_TIMINGS,
+                                     WALL_PER_TIMING, Arm,
                                      Costs, Planner, ProblemPlan, Step)
 
 
@@ -82,7 +83,8 @@ class Sim:
                 self.vendor.add(i)
                 planner.done(step, vendor_ms=self.call_ms[i])
             elif step.kind == "pick":
-                self.t += (self.bwd_pick_s if self.ops[i] == "bwd" else self.pick_s) + self.extra(i, 21)
+                timings = DECIDED_PICK_TIMINGS if planner.decided(planner.problems[i]) else 21
+                self.t += (self.bwd_pick_s if self.ops[i] == "bwd" else self.pick_s) + self.extra(i, timings)
                 self.picked.add(i)
                 planner.done(step, served="own")
             else:
@@ -120,6 +122,8 @@ class Sim:
 
 
 def plan(sim: Sim, budget_s: float | None, rep_ms: float = 100.0, **costs) -> Planner:
+    # (the simulation's picks last the same, decided or not: the decided prior is the open one)
+    costs.setdefault("decided_pick_s", costs.get("pick_s", Costs.pick_s))
     return Planner(sim.plans(), budget_s, sim.clock, Costs(prior_waits={"gluon": 27.0}, **costs), batch=12,
                    rep_ms=rep_ms)
 
@@ -298,6 +302,22 @@ def test_a_long_vendor_pass_is_judged_by_the_call_it_measured():
     clock[0] += 3.0 + 6 * (CALLS_PER_TIMING * 100.0 - WALL_PER_TIMING * 100.0) / 1e3
     planner.done(step, vendor_ms=100.0)
     assert math.isclose(planner.costs.vendor("fwd"), 3.0)
+
+
+def test_a_pick_sdpa_clearly_wins_is_costed_and_learned_apart():
+    """Own best 20% behind SDPA's: the pick is decided by the trials (one round of a few methods) and
+    costed at the decided prior; its measured duration teaches that cost, not an open pick's."""
+    clock = [0.0]
+    decided, open_ = (ProblemPlan(label, [Arm("triton", 5, 1, measured=5, best_ms=own)], vendor_ms=1.0,
+                                  vendor_done=True, seeded=True) for label, own in (("decided", 1.2), ("open", 1.02)))
+    planner = Planner([decided], 600.0, lambda: clock[0], Costs(pick_s=4.0, decided_pick_s=1.5))
+    assert planner.decided(decided) and not planner.decided(open_)
+    assert planner.pick_s(decided) == 1.5 and planner.pick_s(open_) == 4.0
+    step = planner.next_step()
+    assert step == Step("pick", 0)
+    clock[0] += 1.0
+    planner.done(step)
+    assert planner.costs.pick("fwd", decided=True) == 1.0 and planner.costs.pick("fwd") == 4.0
 
 
 def test_the_eta_past_a_too_small_budget_counts_what_every_problem_still_needs():

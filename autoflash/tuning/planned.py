@@ -11,7 +11,7 @@ import math
 from autoflash.problem import Shape
 from autoflash.space import InvalidVariant, default_variant, load_space
 from autoflash.tuning.forecast import Curve, forecast
-from autoflash.tuning.planner import Arm, Costs, Planner, ProblemPlan, Snapshot
+from autoflash.tuning.planner import DECIDED_PICK_TIMINGS, Arm, Costs, Planner, ProblemPlan, Snapshot
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 
 
@@ -64,9 +64,10 @@ def costs_for(options: TuneOptions) -> Costs:
     (`Costs.op_scale`). The interpreter compiles
     nothing and has no vendor candidates."""
     if options.interpret:
-        return Costs(vendor_s=0.0, pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5, op_scale={})
+        return Costs(vendor_s=0.0, pick_s=1.0, decided_pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5, op_scale={})
     pick_s = 1.0 + (options.top_k + 4) * options.rounds * 1.5 * options.rep_ms / 1e3
-    return Costs(pick_s=pick_s, prior_waits=dict(COMPILE_PRIORS_S))
+    decided_pick_s = 1.0 + DECIDED_PICK_TIMINGS * 1.5 * options.rep_ms / 1e3  # (SDPA clearly ahead: one round)
+    return Costs(pick_s=pick_s, decided_pick_s=decided_pick_s, prior_waits=dict(COMPILE_PRIORS_S))
 
 
 def plan_of(ps) -> ProblemPlan:

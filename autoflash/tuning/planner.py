@@ -35,6 +35,10 @@ WALL_PER_TIMING = 1.5
 # Timings of a problem's vendor pass: each vendor candidate is timed twice (a short first look, then in
 # full), 3 SDPA backends for a forward problem, 5 training pairs for a backward one.
 VENDOR_TIMINGS = {"fwd": 6, "bwd": 10}
+# A pick whose trials put SDPA's whole kernel this far ahead of every own candidate is decided: it
+# re-measures DECIDED_PICK_TIMINGS methods once (`winner_rows.vendor_decided`).
+DECIDED_MARGIN = 0.10
+DECIDED_PICK_TIMINGS = 5
 # FLOP/s a problem's call is assumed to run at until its vendor pass measures it (an H100's flash
 # attention in bf16 runs ~300-600 TFLOP/s: the low end, so an unmeasured problem is not costed short).
 NOMINAL_FLOPS_PER_S = 300e12
@@ -49,11 +53,13 @@ class Costs:
 
     vendor_s: float = 3.0  # every vendor candidate of one forward problem (of short calls)
     pick_s: float = 4.0  # one forward problem's final re-measure (of short calls)
+    decided_pick_s: float = 1.5  # the same where SDPA is clearly ahead: a few methods, one round (`decided`)
     # A backward problem's vendor pass and pick time a forward and a backward pass, five vendor pairs
     # instead of three backends (an H100, 22 problems: vendor 2.6 s a forward problem, 9.7 s a
     # backward one; picks 2.2 s and 5.5 s): one op's durations say little about another's, and a
     # cheap forward pick that stood for the backward ones overran the budget by their difference.
-    op_scale: dict = dataclasses.field(default_factory=lambda: {"vendor_s": {"bwd": 3.5}, "pick_s": {"bwd": 2.5}})
+    op_scale: dict = dataclasses.field(default_factory=lambda: {"vendor_s": {"bwd": 3.5}, "pick_s": {"bwd": 2.5},
+                                                                "decided_pick_s": {"bwd": 2.5}})
     seen: dict = dataclasses.field(default_factory=dict)  # (kind, op) -> measured seconds
     wait_s: dict = dataclasses.field(default_factory=dict)  # family -> wait for a step's first compiled batch
     per_s: dict = dataclasses.field(default_factory=dict)  # family -> seconds per candidate after it
@@ -72,8 +78,8 @@ class Costs:
     def vendor(self, op: str = "fwd") -> float:
         return self._per_op("vendor_s", op)
 
-    def pick(self, op: str = "fwd") -> float:
-        return self._per_op("pick_s", op)
+    def pick(self, op: str = "fwd", decided: bool = False) -> float:
+        return self._per_op("decided_pick_s" if decided else "pick_s", op)
 
     def _per_op(self, kind: str, op: str) -> float:
         return self.seen.get((kind, op), getattr(self, kind) * self.op_scale.get(kind, {}).get(op, 1.0))
@@ -194,8 +200,14 @@ class Planner:
     def vendor_s(self, p: ProblemPlan) -> float:
         return self.costs.vendor(p.op) + self.extra_s(p, VENDOR_TIMINGS.get(p.op, VENDOR_TIMINGS["fwd"]))
 
+    def decided(self, p: ProblemPlan) -> bool:
+        """Whether p's pick is decided by its trials (SDPA clearly ahead of its own best): a cheap pick."""
+        return (p.has_vendor and math.isfinite(p.vendor_ms) and math.isfinite(p.own_ms)
+                and p.own_ms >= p.vendor_ms * (1 + DECIDED_MARGIN))
+
     def pick_s(self, p: ProblemPlan) -> float:
-        return self.costs.pick(p.op) + self.extra_s(p, self.pick_timings)
+        decided = self.decided(p)
+        return self.costs.pick(p.op, decided) + self.extra_s(p, DECIDED_PICK_TIMINGS if decided else self.pick_timings)
 
     def reserve_s(self) -> float:
         """Time kept back for what every problem must still get: its vendor pass, one seed (the
@@ -384,7 +396,9 @@ class Planner:
             p.vendor_done = True
             p.stage = "vendor only" if p.stage == "waiting" else p.stage
         elif step.kind == "pick":
-            self._observe_short("pick_s", now - self._t0, self.pick_s(p) - self.costs.pick(p.op), p.op)
+            decided = self.decided(p)
+            self._observe_short("decided_pick_s" if decided else "pick_s", now - self._t0,
+                                self.pick_s(p) - self.costs.pick(p.op, decided), p.op)
             p.picked, p.stage, p.served = True, "picked", served
         else:
             asked = dict(step.counts)

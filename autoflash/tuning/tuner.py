@@ -32,6 +32,7 @@ from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning import sandbox
 from autoflash.tuning.compiles import Compiles
+from autoflash.tuning.gate import computes_score_variants
 from autoflash.tuning.pick import PickWinner
 from autoflash.tuning.search_state import ProblemSearch
 from autoflash.tuning.storage import make_storage
@@ -52,6 +53,24 @@ def competes(family: str, interpret: bool) -> bool:
     """Whether a family's candidates are searched: vendor kernels compete on a GPU; in the
     interpreter they would beat every interpreted one."""
     return not (interpret and load_space(family).vendor)
+
+
+def serves_problem(variants: list[Variant], problem) -> list[Variant]:
+    """The variants whose kernels compute `problem`'s attention variants (all of them for plain
+    attention): for a window, softcap, ALiBi or sinks, no vendor kernel, Gluon forward
+    or Gluon dK/dV (`gate.computes_score_variants`)."""
+    if not problem.score_variant:
+        return list(variants)
+    return [v for v in variants if computes_score_variants(v)]
+
+
+def variant_default(problem, device: GPUFingerprint) -> Variant:
+    """The op's default variant, for a problem with attention variants one whose kernel computes them
+    (the Triton dK/dV kernel where the default's would be Gluon's)."""
+    default = default_variant(problem.op, problem, device)
+    if serves_problem([default], problem) or "DKDV_KERNEL" not in default.as_dict():
+        return default
+    return load_space(default.family).nearest_valid(default.replace(DKDV_KERNEL="triton"), problem, device)
 
 
 class Tuner(PickWinner):
@@ -101,11 +120,12 @@ class Tuner(PickWinner):
         """The problem's search (None when no family has a valid candidate here): its families,
         their trial caps (the trial budget split between the own families) and seeds."""
         problem = shape.problem
-        valid = {f: load_space(f).valid_variants(problem, self.device) for f in families_for(problem.op)}
+        valid = {f: serves_problem(load_space(f).valid_variants(problem, self.device), problem)
+                 for f in families_for(problem.op)}
         families = [f for f in valid if valid[f] and competes(f, self.opt.interpret)]
         if not families:
             return None
-        default = default_variant(problem.op, problem, self.device)
+        default = variant_default(problem, self.device)
         vendor = [f for f in families if load_space(f).vendor]
         own = sorted((f for f in families if f not in vendor), key=lambda f: f != default.family)
         caps, left = {}, self.opt.trials
@@ -119,7 +139,8 @@ class Tuner(PickWinner):
             first = default if default.family == family else space.nearest_valid(
                 space.default_for(problem, self.device), problem, self.device)
             moved = transferred_seeds(problem, family, self.device, self.sibling_winners)
-            seeds[family] = seed_variants(first, problem, self.device, thash, rows, caps[family], moved)
+            seeds[family] = serves_problem(seed_variants(first, problem, self.device, thash, rows, caps[family], moved),
+                                           problem)
         ps = ProblemSearch(shape, valid, vendor, own, default, caps, seeds, self._training_context(shape))
         for family in vendor + own:  # (a resumed run: what earlier runs measured counts)
             trials = self.store.trials_for(self.gpu_key, problem.key, codegen.template_hash(family))
@@ -339,7 +360,7 @@ class Tuner(PickWinner):
             attempts += 1
             trial = study.ask()
             variant = space.suggest(trial)
-            if space.violations(variant, problem, self.device):
+            if space.violations(variant, problem, self.device) or not serves_problem([variant], problem):
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # invalid: never compiled, not a failure
                 continue
             key = variant.json()

@@ -22,7 +22,7 @@ from autoflash.shapes import load_shape_set
 from autoflash.space import default_variant
 from autoflash.store import Store
 from autoflash.tuning import gate
-from autoflash.tuning.tuner import serves_problem
+from autoflash.tuning.score_candidates import serves_problem
 
 PLAIN = Shape(1, 2, 2, 37, 37, 64, True, "float16")
 CAPPED = dataclasses.replace(PLAIN, head_dim=32, score=ScoreValues(window=(20, 0), softcap=30.0))

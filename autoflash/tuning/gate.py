@@ -21,6 +21,7 @@ from autoflash.codegen import Kernel
 from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_count
 from autoflash.problem import Shape
 from autoflash.score_variant import PLAIN, ScoreVariant
+from autoflash.tuning.score_candidates import computes_score_variants
 from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, output_grad, paged_cache, reference, reference_grads, rel_error,
                                  sdpa_error, sdpa_grads)
 from autoflash.space import Variant, default_variant, load_space
@@ -41,18 +42,6 @@ class GateResult:
     lse_err: float
     detail: str = ""
     refused: bool = False  # a vendor backend with no kernel for any gate shape: nothing was checked
-
-
-def computes_score_variants(variant: Variant) -> bool:
-    """Whether a variant's kernel computes attention variants (window, softcap, ALiBi, sinks): its family
-    renders them (not a vendor's, nor the Gluon forward's or decode's) and, in the backward, its dK/dV
-    kernel is the Triton one (the Gluon dK/dV kernel computes none: its host would launch the Triton
-    one instead, the same candidate as DKDV_KERNEL = "triton")."""
-    from autoflash import families
-
-    if load_space(variant.family).vendor or not families.host_class(variant.family).serves_score_variants:
-        return False
-    return variant.as_dict().get("DKDV_KERNEL", "triton") == "triton"
 
 
 def gate_shapes(shape: Shape) -> list[Shape]:

@@ -32,7 +32,7 @@ from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning import sandbox
 from autoflash.tuning.compiles import Compiles
-from autoflash.tuning.gate import computes_score_variants
+from autoflash.tuning.score_candidates import serves_problem, variant_default
 from autoflash.tuning.pick import PickWinner
 from autoflash.tuning.search_state import ProblemSearch
 from autoflash.tuning.storage import make_storage
@@ -53,24 +53,6 @@ def competes(family: str, interpret: bool) -> bool:
     """Whether a family's candidates are searched: vendor kernels compete on a GPU; in the
     interpreter they would beat every interpreted one."""
     return not (interpret and load_space(family).vendor)
-
-
-def serves_problem(variants: list[Variant], problem) -> list[Variant]:
-    """The variants whose kernels compute `problem`'s attention variants (all of them for plain
-    attention): for a window, softcap, ALiBi or sinks, no vendor kernel, Gluon forward
-    or Gluon dK/dV (`gate.computes_score_variants`)."""
-    if not problem.score_variant:
-        return list(variants)
-    return [v for v in variants if computes_score_variants(v)]
-
-
-def variant_default(problem, device: GPUFingerprint) -> Variant:
-    """The op's default variant, for a problem with attention variants one whose kernel computes them
-    (the Triton dK/dV kernel where the default's would be Gluon's)."""
-    default = default_variant(problem.op, problem, device)
-    if serves_problem([default], problem) or "DKDV_KERNEL" not in default.as_dict():
-        return default
-    return load_space(default.family).nearest_valid(default.replace(DKDV_KERNEL="triton"), problem, device)
 
 
 class Tuner(PickWinner):

@@ -169,3 +169,27 @@ def _dispatcher_serves_the_stored_variant(db, winners, monkeypatch):
     stored = winners[shape.problem.key]
     assert kernel.score == shape.score_variant
     assert (codegen.template_hash(kernel.family), kernel.variant.json()) == (stored["template_hash"], stored["variant"])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+@pytest.mark.parametrize("values", [ScoreValues(alibi=True, sinks=True), ScoreValues(window=(8, 3), sinks=True)])
+def test_the_gate_passes_alibi_and_sinks_kernels_and_rejects_a_plain_one_fed_none_of_them(op, values):
+    shape = dataclasses.replace(CAPPED, op=op, causal=False, score=values)
+    kernel = _variant_kernel(shape)
+    result = gate.check(kernel, shape, "cpu")
+    assert result.passed, result.detail
+
+    class Plain:  # the same kernel with the variant's values dropped: the reference must tell
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def forward(self, *args, score_args=None, **kwargs):
+            slopes, window = score_args.alibi_slopes, score_args.window
+            plain = dataclasses.replace(score_args, alibi_slopes=None if slopes is None else slopes * 0,
+                                        sinks=score_args.sinks - 1e4,  # (a sink that adds nothing)
+                                        window=window if window == (-1, -1) else (1000, 1000))
+            return kernel.forward(*args, score_args=plain, **kwargs)
+
+    if op == "fwd":
+        assert not gate.check(Plain(), shape, "cpu").passed

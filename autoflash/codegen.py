@@ -100,11 +100,12 @@ def load(variant: Variant, template_file: str | os.PathLike | None = None, score
         return kernel
 
 
-def load_for(variant: Variant, head_dim_v: int | None) -> "Kernel":
+def load_for(variant: Variant, head_dim_v: int | None, score: ScoreVariant = PLAIN) -> "Kernel":
     """The kernel a tuning run or bench measures for a problem: rendered with VALUE_DIM where V has a
-    head dim of its own (`head_dim_v` set), as the dispatcher serves it; a vendor kernel takes such V
-    as torch does, with nothing rendered. An own family that renders no VALUE_DIM raises ValueError."""
-    return load(variant, value_dim=head_dim_v is not None and not load_space(variant.family).vendor)
+    head dim of its own (`head_dim_v` set) and with the problem's attention variants `score`, as the
+    dispatcher serves it; a vendor kernel takes such V as torch does, with nothing rendered. An own
+    family that renders no VALUE_DIM, or a family that computes no variants asked for, raises ValueError."""
+    return load(variant, score=score, value_dim=head_dim_v is not None and not load_space(variant.family).vendor)
 
 
 @contextlib.contextmanager
@@ -299,10 +300,12 @@ class Kernel:
                                                             block_table, sm_count, num_splits),
                            tensors, outputs=(3, 4), before_launch=ensure_allocator)
 
-    def compile_for(self, q, k, v, causal: bool, causal_offset: int, page: int | None = None) -> None:
+    def compile_for(self, q, k, v, causal: bool, causal_offset: int, page: int | None = None,
+                    score_args=None) -> None:
         """Build (or fetch from Triton's cache) the binary for these argument types, no launch.
         q, k, v: (B, H, N, D) as the other ops take them (a decode kernel sees them as a query of
-        N_q tokens and a full cache: (B, N, H_kv, D), or pages of `page` tokens behind a block table)."""
+        N_q tokens and a full cache: (B, N, H_kv, D), or pages of `page` tokens behind a block table).
+        score_args: the attention variants' values of a kernel rendered with them (`ScoreArgs`)."""
         if self.op == "decode":
             qd = q.transpose(1, 2)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
@@ -317,15 +320,16 @@ class Kernel:
             return
         if self.uses_tma:
             ensure_allocator()
+        scored = {} if score_args is None else {"score_args": score_args}
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         out = q.new_empty((*q.shape[:3], v.shape[3]))  # (V's head dim: MLA-like problems have their own)
         if self.op == "bwd":
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
             self.host.launch(q=q, k=k, v=v, o=torch.empty_like(out), lse=lse, do=out, dq=dq, dk=dk, dv=dv, sm_scale=1.0,
-                             causal=causal, causal_offset=causal_offset, compile_only=True)
+                             causal=causal, causal_offset=causal_offset, compile_only=True, **scored)
         else:
             self.host.launch(q=q, k=k, v=v, o=out, lse=lse, sm_scale=1.0, causal=causal, causal_offset=causal_offset,
-                             compile_only=True)
+                             compile_only=True, **scored)
 
     def __repr__(self) -> str:
         return f"Kernel({self.family}: {self.variant.short()}{', own value head dim' if self.value_dim else ''})"

@@ -86,7 +86,7 @@ class Dispatcher:
         if problem.key in self._tuned_on_miss or torch.compiler.is_compiling():
             return False
         if problem.score_variant is not None:
-            return False  # (the tuner measures plain attention only, so far: V of its own head dim included)
+            return False  # (the problem key has no window or softcap values for a tuning shape: not yet)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         self._tuned_on_miss.add(problem.key)

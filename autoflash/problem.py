@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 
-from autoflash.score_variant import ScoreVariant
+from autoflash.score_variant import PLAIN, ScoreValues, ScoreVariant, score_values
 
 OPS = ("fwd", "bwd", "decode")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -201,18 +201,31 @@ class Shape:
     # head_dim. Last and defaulted, so every plain shape (constructor calls, pickles, JSON rows made
     # before it) stays as it was; one equal to head_dim is stored as None (one shape, one problem key).
     head_dim_v: int | None = None
+    # fwd and bwd: the attention variants' values its kernels are tuned with (`ScoreValues`: window,
+    # softcap, ALiBi, sinks; a dict is taken too, as JSON rows hold it); None: plain attention. Last and
+    # defaulted for the reason head_dim_v is; plain values are stored as None.
+    score: ScoreValues | None = None
 
     def __post_init__(self):
         if self.head_dim_v is not None and self.head_dim_v == self.head_dim:
             object.__setattr__(self, "head_dim_v", None)
+        object.__setattr__(self, "score", score_values(self.score))
 
     def as_dict(self) -> dict:
-        """The fields as stored in JSON (winner rows, bench output): head_dim_v only where set, so a
-        plain shape's JSON is what it was before value head dims of their own."""
+        """The fields as stored in JSON (winner rows, bench output): head_dim_v and score only where
+        set, so a plain shape's JSON is what it was before value head dims and variants."""
         fields = dataclasses.asdict(self)
         if fields["head_dim_v"] is None:
             del fields["head_dim_v"]
+        del fields["score"]
+        if self.score is not None:
+            fields["score"] = self.score.as_dict()
         return fields
+
+    @property
+    def score_variant(self) -> ScoreVariant:
+        """The variants its kernels are rendered with (PLAIN for a plain shape)."""
+        return PLAIN if self.score is None else self.score.variant
 
     @property
     def value_dim(self) -> int:
@@ -233,7 +246,8 @@ class Shape:
                        work=shape_work_bucket(self.op, self.batch, self.heads_q, self.heads_kv, self.seqlen_q,
                                               self.seqlen_k, sm_count),
                        page=self.page if self.op == "decode" else None,
-                       head_dim_v=self.head_dim_v if self.op in ("fwd", "bwd") else None)
+                       head_dim_v=self.head_dim_v if self.op in ("fwd", "bwd") else None,
+                       score_variant=self.score_variant.key or None if self.op in ("fwd", "bwd") else None)
 
     def flops(self) -> float:
         """FLOPs of the matmuls, 2*B*H*Nq*Nk per head dim each matmul runs over, halved when causal.
@@ -262,8 +276,9 @@ class Shape:
         c = " causal" if self.causal else ""
         g = f" gqa{self.heads_q}/{self.heads_kv}" if self.heads_q != self.heads_kv else ""
         page = f" page{self.page}" if self.page is not None and self.op == "decode" else ""
+        score = f" {self.score_variant.key}" if self.score is not None else ""
         return (f"{'' if self.op == 'fwd' else self.op + ' '}{self.dtype} B{self.batch} H{self.heads_q} q{self.seqlen_q} k{self.seqlen_k} "
-                f"{self.dims_label()}{c}{g}{page}")
+                f"{self.dims_label()}{c}{g}{page}{score}")
 
 
 def distance_between(a: Problem, b: Problem) -> float:

@@ -54,8 +54,12 @@ def causal_offset_for(shape: Shape, align: str) -> int:
     return shape.seqlen_k - shape.seqlen_q if align == "bottom_right" else 0
 
 
-def reference(q, k, v, causal: bool, causal_offset: int, scale: float, dtype=torch.float64):
-    """(out, lse) in `dtype` from the math definition. Rows with no visible key: out 0, lse +inf."""
+def reference(q, k, v, causal: bool, causal_offset: int, scale: float, dtype=torch.float64, score=None):
+    """(out, lse) in `dtype` from the math definition. Rows with no visible key: out 0, lse +inf.
+    score: the attention variants' values (`ScoreArgs`; None: plain), computed by `eager_attention`'s
+    math (flash-attn's semantics) in `dtype`."""
+    if score is not None:
+        return variant_attention(q, k, v, causal, causal_offset, scale, score, dtype)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -69,6 +73,17 @@ def reference(q, k, v, causal: bool, causal_offset: int, scale: float, dtype=tor
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     return p @ v, lse
+
+
+def variant_attention(q, k, v, causal: bool, offset: int, scale: float, score, dtype):
+    """(out, lse) of `eager_attention` with the variants of `score` (`ScoreArgs`), inputs cast to
+    `dtype` (float64: the reference; float32: scores in float32, as eager computes half inputs),
+    out in `dtype`. Differentiable in q, k, v."""
+    from autoflash.eager import eager_attention
+
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    return eager_attention(q, k, v, scale=scale, causal=causal, offset=offset, window=tuple(score.window),
+                           softcap=score.softcap, alibi_slopes=score.alibi_slopes, sinks=score.sinks)
 
 
 def rel_error(x, ref) -> float:
@@ -91,8 +106,13 @@ def lse_error(lse, ref_lse) -> float:
     return (lse.double()[finite] - ref_lse.double()[finite]).abs().max().item()
 
 
-def sdpa_error(q, k, v, causal: bool, causal_offset: int, scale: float, ref_out) -> float:
-    """torch SDPA's own error in the input dtype (the yardstick for the gate)."""
+def sdpa_error(q, k, v, causal: bool, causal_offset: int, scale: float, ref_out, score=None) -> float:
+    """torch SDPA's own error in the input dtype (the yardstick for the gate). With variants (`score`)
+    SDPA has no equivalent but a float mask per call (softcap has none at all): the yardstick is then
+    the same math in torch as a model's eager attention runs it (`eager_attention`: float32 scores
+    for half inputs, the output rounded to the input dtype), as the decode gate's is."""
+    if score is not None:
+        return rel_error(variant_attention(q, k, v, causal, causal_offset, scale, score, q.dtype)[0], ref_out)
     out = sdpa_attention(q, k, v, None, 0.0, causal, causal_offset, scale)
     return rel_error(out, ref_out)
 
@@ -157,15 +177,19 @@ def _positive(scale) -> bool:
         return True
 
 
-def sdpa_grads(q, k, v, grad, causal, offset, scale):
+def sdpa_grads(q, k, v, grad, causal, offset, scale, score=None):
+    """SDPA's gradients in the input dtype; with variants (`score`), eager's (see `sdpa_error`)."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    sdpa_attention(*leaves, None, 0.0, causal, offset, scale).backward(grad)
+    if score is not None:
+        variant_attention(*leaves, causal, offset, scale, score, q.dtype)[0].backward(grad)
+    else:
+        sdpa_attention(*leaves, None, 0.0, causal, offset, scale).backward(grad)
     return [t.grad for t in leaves]
 
 
-def reference_grads(q, k, v, grad, causal, offset, scale, dtype=torch.float64):
+def reference_grads(q, k, v, grad, causal, offset, scale, dtype=torch.float64, score=None):
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, _ = reference(*leaves, causal, offset, scale, dtype=dtype)
+    out, _ = reference(*leaves, causal, offset, scale, dtype=dtype, score=score)
     out.backward(grad.to(dtype))
     return [t.grad for t in leaves]
 

@@ -113,3 +113,64 @@ class ScoreArgs:
 
 
 NO_SCORE_ARGS = ScoreArgs()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreValues:
+    """A tuning shape's variant values (`Shape.score`): what its kernels are gated and timed with. The
+    tensors of `ScoreArgs` are made from them per head count (deterministic: ALiBi's geometric slopes,
+    evenly spaced sink logits), so a shape stays a small picklable, JSON-able value.
+    window: (left, right), -1 unbounded (a causal window of 4096 keys: (4096, 0) or (4096, -1))."""
+
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+
+    def __post_init__(self):  # (JSON gives a list: one shape, one value)
+        object.__setattr__(self, "window", tuple(int(w) for w in self.window))
+
+    @property
+    def variant(self) -> ScoreVariant:
+        return ScoreVariant(window=self.window != (-1, -1), softcap=self.softcap > 0, alibi=self.alibi,
+                            sinks=self.sinks)
+
+    def as_dict(self) -> dict:
+        """The values set (JSON rows, TOML-like): {'window': [4096, 0], 'softcap': 50.0}."""
+        out = {"window": list(self.window), "softcap": self.softcap, "alibi": self.alibi, "sinks": self.sinks}
+        return {k: v for k, v in out.items() if v and v != [-1, -1]}
+
+    def problem(self) -> str | None:
+        """What is wrong with these values (a window bound below -1, a negative softcap), or None."""
+        if len(self.window) != 2 or any(w < -1 for w in self.window):
+            return f"window must be (left, right) with bounds >= -1 (-1: unbounded), got {self.window!r}"
+        if not self.softcap >= 0:
+            return f"softcap must be >= 0 (0: none), got {self.softcap!r}"
+        return None
+
+    def args(self, heads: int, device, window: tuple[int, int] | None = None,
+             softcap: float | None = None) -> ScoreArgs:
+        """The call's `ScoreArgs` for `heads` query heads on `device`; window/softcap: other values of
+        the same variants in their place (the gate's: see `tuning.gate.gate_score_args`)."""
+        import torch
+
+        window = self.window if window is None else window
+        softcap = self.softcap if softcap is None else softcap
+        slopes = torch.tensor(alibi_slopes(heads), device=device) if self.alibi else None
+        sinks = torch.linspace(-1.0, 2.0, heads, device=device) if self.sinks else None
+        return ScoreArgs(window=window, softcap=softcap, alibi_slopes=slopes, sinks=sinks)
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's geometric slopes (Press et al.): 2^(-8 (h + 1) / heads) for head h (the power-of-two rule,
+    used for any head count: tuning needs deterministic, realistic values, not the paper's interleave)."""
+    return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
+
+
+def score_values(value) -> "ScoreValues | None":
+    """A shape's `score` field from a ScoreValues, a dict (JSON rows, shape-set tables) or None; None for
+    plain values (one shape, one problem key)."""
+    if value is None:
+        return None
+    values = value if isinstance(value, ScoreValues) else ScoreValues(**value)
+    return None if values.variant.plain else values

@@ -100,6 +100,11 @@ def shape_problem(shape: Shape) -> str | None:
             return f"head_dim_v must be a positive integer, got {shape.head_dim_v!r}"
         if shape.op not in ("fwd", "bwd"):
             return f"head_dim_v (V's head dim of its own) is a forward or backward shape's, not {shape.op!r}"
+    if shape.score is not None:
+        if shape.op not in ("fwd", "bwd"):
+            return f"attention variants ({shape.score_variant.key}) are a forward or backward shape's, not {shape.op!r}"
+        if reason := shape.score.problem():
+            return reason
     for d in (shape.head_dim, shape.value_dim):
         if reason := unsupported_head_dim(d):
             return reason
@@ -114,9 +119,12 @@ def shape_problem(shape: Shape) -> str | None:
 
 # The keys of a shape file's tables (see `load_shape_set`): a [[shape]] is a Shape's fields
 # (heads_kv defaults to heads_q); a [[grid]] crosses lists.
-SHAPE_KEYS = SHAPE_FIELDS + ("op", "page", "head_dim_v")  # (head_dim_v: V's own head dim, MLA; default head_dim)
+# The attention variants' values a table may give (`ScoreValues`): window = N (N keys to the left;
+# to the right too when not causal) or [left, right]; softcap = 50.0; alibi = true; sinks = true.
+SCORE_KEYS = ("window", "softcap", "alibi", "sinks")
+SHAPE_KEYS = SHAPE_FIELDS + ("op", "page", "head_dim_v") + SCORE_KEYS  # (head_dim_v: V's own head dim, MLA)
 SHAPE_REQUIRED = tuple(f for f in SHAPE_FIELDS if f != "heads_kv")
-GRID_KEYS = ("dtype", "head_dim", "causal", "seqlen", "batch", "tokens", "heads_q", "hidden", "heads_kv")
+GRID_KEYS = ("dtype", "head_dim", "causal", "seqlen", "batch", "tokens", "heads_q", "hidden", "heads_kv") + SCORE_KEYS
 GRID_REQUIRED = (("dtype",), ("head_dim",), ("causal",), ("seqlen",), ("batch", "tokens"), ("heads_q", "hidden"))
 
 
@@ -136,6 +144,24 @@ def _entry_problem(entry, keys: tuple) -> str | None:
         if not any(a in entry for a in alternatives):
             return f"missing key {' or '.join(repr(a) for a in alternatives)}"
     return None
+
+
+def _table_score(table: dict, causal) -> dict | None:
+    """A table's variant values as `Shape.score` takes them (None: plain). A window of one number N
+    reaches N keys back (and N ahead, unless causal: flash-attn's symmetric window)."""
+    window = table.get("window", (-1, -1))
+    if isinstance(window, int) and not isinstance(window, bool):
+        window = (window, 0 if causal is True else window)
+    if not (isinstance(window, (list, tuple)) and len(window) == 2 and all(isinstance(w, int) for w in window)):
+        raise ValueError(f"window must be a number of keys or [left, right] (-1: unbounded), got {window!r}")
+    values = {"window": tuple(window), "softcap": table.get("softcap", 0.0), "alibi": table.get("alibi", False),
+              "sinks": table.get("sinks", False)}
+    if not isinstance(values["softcap"], (int, float)) or isinstance(values["softcap"], bool):
+        raise ValueError(f"softcap must be a number (0: none), got {values['softcap']!r}")
+    for flag in ("alibi", "sinks"):
+        if not isinstance(values[flag], bool):
+            raise ValueError(f"{flag} must be true or false, got {values[flag]!r}")
+    return values
 
 
 def shape_set_names() -> list[str]:
@@ -180,9 +206,12 @@ def load_shape_set(name_or_path: str, op: str = "fwd") -> list[Shape]:
             batch = g["batch"] if "batch" in g else max(1, g["tokens"] // n)
             hq = g["heads_q"] if "heads_q" in g else g["hidden"] // d
             shapes.append(Shape(batch=batch, heads_q=hq, heads_kv=g.get("heads_kv", hq), seqlen_q=n,
-                                seqlen_k=n, head_dim=d, causal=causal, dtype=dtype, op=op))
+                                seqlen_k=n, head_dim=d, causal=causal, dtype=dtype, op=op,
+                                score=_table_score(g, causal)))
     for s in data.get("shape", []):
-        shapes.append(Shape(**{"op": op, "heads_kv": s.get("heads_kv", s["heads_q"]), **s}))
+        fields = {k: v for k, v in s.items() if k not in SCORE_KEYS}
+        shapes.append(Shape(**{"op": op, "heads_kv": s.get("heads_kv", s["heads_q"]), **fields,
+                               "score": _table_score(s, s["causal"])}))
     for i, shape in enumerate(shapes):
         if reason := shape_problem(shape):
             raise ValueError(f"{name_or_path}: shape {i + 1} ({shape.label()}): {reason}")

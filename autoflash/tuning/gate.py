@@ -20,6 +20,8 @@ from autoflash import codegen
 from autoflash.codegen import Kernel
 from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_count
 from autoflash.problem import Shape
+from autoflash.score_variant import PLAIN, ScoreVariant
+from autoflash.tuning.score_candidates import computes_score_variants
 from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, output_grad, paged_cache, reference, reference_grads, rel_error,
                                  sdpa_error, sdpa_grads)
 from autoflash.space import Variant, default_variant, load_space
@@ -47,7 +49,7 @@ def gate_shapes(shape: Shape) -> list[Shape]:
     hk = 2 if shape.heads_q >= 2 * (shape.heads_q // shape.heads_kv) else 1
     hq = hk * (shape.heads_q // shape.heads_kv)
     base = dict(heads_q=hq, heads_kv=hk, head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
-                op=shape.op, head_dim_v=shape.head_dim_v)
+                op=shape.op, head_dim_v=shape.head_dim_v, score=shape.score)
     # (batch, seqlen_q, seqlen_k): the short ragged shapes use 2 sequences to cover batch strides.
     if torch.cuda.is_available() and not interpreter_enabled():
         sizes = [(1, 1023, 1023), (2, 113, 203), (2, 203, 113), (1, 1, 37)]
@@ -88,13 +90,47 @@ def _all_refused(worst: GateResult, checked: int) -> GateResult:
                       refused=True)
 
 
-def run_variant(kernel: Kernel, q, k, v, causal: bool, causal_offset: int, scale: float):
-    """Launch one compiled variant on (B,H,N,D) inputs; returns (out, lse) (poisoned first)."""
+def run_variant(kernel: Kernel, q, k, v, causal: bool, causal_offset: int, scale: float, score_args=None):
+    """Launch one compiled variant on (B,H,N,D) inputs; returns (out, lse) (poisoned first).
+    score_args: the attention variants' values (`ScoreArgs`) of a kernel rendered with them."""
     out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), device=q.device, dtype=q.dtype)  # (B, H, N, D_v)
     lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
     require_supported(kernel, q, k, v, out)
-    kernel.forward(q, k, v, out, lse, scale, causal, causal_offset)
+    kernel.forward(q, k, v, out, lse, scale, causal, causal_offset, **_score_kwargs(score_args))
     return out, lse
+
+
+# The gate's variant values. A variant's values are runtime arguments (the same device code for any
+# window or softcap), so the gate checks the code with values that show in the error on its short
+# shapes: a window of the tuned size would cover every key of a 64-key gate shape (a kernel without it
+# would pass), and a softcap of 50 barely bends unit-variance scores (~1e-3 of the output: below a
+# half-precision bound). The gate's window reaches a quarter of the keys at most, its softcap 2 at most.
+GATE_SOFTCAP_MAX = 2.0
+
+
+def gate_score_args(shape: Shape, gs: Shape, device):
+    """The `ScoreArgs` a candidate for `shape`'s problem is gated with on gate shape `gs` (None: plain)."""
+    if shape.score is None:
+        return None
+    reach = max(1, gs.seqlen_k // 4)
+    window = tuple(w if w < 0 else min(w, reach) for w in shape.score.window)
+    softcap = min(shape.score.softcap, GATE_SOFTCAP_MAX)
+    return shape.score.args(gs.heads_q, device, window=window, softcap=softcap)
+
+
+def _score_kwargs(score_args) -> dict:
+    """A launch's variant keyword (none for a plain call: vendor kernels take no such argument)."""
+    return {} if score_args is None else {"score_args": score_args}
+
+
+def variant_mismatch(kernel: Kernel, shape: Shape) -> str | None:
+    """Why `kernel` cannot stand for `shape`'s problem: rendered with other attention variants than the
+    problem's (a plain kernel would ignore a window: wrong answers), or None."""
+    rendered, wanted = getattr(kernel, "score", PLAIN), shape.score_variant
+    if rendered == wanted:
+        return None
+    return (f"{kernel.family} rendered for score variant {rendered.key or 'plain'!r}, the problem's is "
+            f"{wanted.key or 'plain'!r}")
 
 
 def _alignment(kernel: Kernel, gs: Shape, i: int) -> int:
@@ -113,6 +149,8 @@ SDPA_REFUSAL_WARNINGS = (r"(Flash attention|Memory efficient|Memory Efficient at
 
 def check(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
     """The correctness gate of a forward, backward or decode kernel (by its op)."""
+    if reason := variant_mismatch(kernel, shape):
+        return GateResult(False, math.inf, math.nan, math.nan, reason)
     if kernel.op == "decode":
         return check_decode(kernel, shape, device, seed)
     gate = check_backward if kernel.op == "bwd" else check_forward
@@ -136,16 +174,17 @@ def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateRe
         scale = 1.0 / math.sqrt(gs.head_dim)
         if refuses_value_dim(kernel, q, v):
             continue
+        score = gate_score_args(shape, gs, device)
         try:
-            out, lse = run_variant(kernel, q, k, v, gs.causal, off, scale)
+            out, lse = run_variant(kernel, q, k, v, gs.causal, off, scale, score)
         except RuntimeError as e:
             if not refused_by_vendor(kernel, e):
                 raise
             continue
         checked += 1
-        ref_out, ref_lse = reference(q, k, v, gs.causal, off, scale)
+        ref_out, ref_lse = reference(q, k, v, gs.causal, off, scale, score=score)
         err = rel_error(out, ref_out)
-        s_err = sdpa_error(q, k, v, gs.causal, off, scale, ref_out)
+        s_err = sdpa_error(q, k, v, gs.causal, off, scale, ref_out, score)
         l_err = lse_error(lse, ref_lse) if kernel.has_lse else 0.0  # (a vendor kernel serves no LSE)
         bound = max(GATE_FACTOR * s_err, GATE_FLOOR[gs.dtype])
         ok = math.isfinite(err) and err <= bound and l_err <= LSE_TOL
@@ -161,12 +200,13 @@ def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateRe
 GRAD_GATE_FACTOR = 3.0  # gradients: error <= 3x SDPA's own gradient error (DESIGN.md §4)
 
 
-def forward_kernel_for_backward(q, k, v, causal: bool, forward: Variant | None = None) -> Kernel:
+def forward_kernel_for_backward(q, k, v, causal: bool, forward: Variant | None = None,
+                                score: ScoreVariant = PLAIN) -> Kernel:
     """What gives a backward variant its O and LSE: `forward` (an own forward variant, e.g. the
     problem's stored winner, what a training step serves) where it takes these tensors, else the
-    forward family's default kernel. Built through codegen (never the API: no dispatcher, DB or
-    tune-on-miss)."""
-    return _own_kernel("fwd", q, k, v, causal, forward)
+    forward family's default kernel, rendered with the attention variants `score`. Built through
+    codegen (never the API: no dispatcher, DB or tune-on-miss)."""
+    return _own_kernel("fwd", q, k, v, causal, forward, score)
 
 
 def backward_kernel_for_pair(q, k, v, causal: bool, backward: Variant | None = None) -> Kernel:
@@ -176,14 +216,15 @@ def backward_kernel_for_pair(q, k, v, causal: bool, backward: Variant | None = N
     return _own_kernel("bwd", q, k, v, causal, backward)
 
 
-def _own_kernel(op: str, q, k, v, causal: bool, stored: Variant | None) -> Kernel:
+def _own_kernel(op: str, q, k, v, causal: bool, stored: Variant | None, score: ScoreVariant = PLAIN) -> Kernel:
     """`stored` where it takes these tensors, else the op's default (own) variant, with pointer
-    loads where the default's TMA cannot take them."""
+    loads where the default's TMA cannot take them; rendered with the attention variants `score`
+    (a stored variant of a family that computes none is passed over)."""
     # (an output's shape and strides for `unsupported`: q where V has its head dim, as always)
     out = q if v.shape[3] == q.shape[3] else q.new_empty((*q.shape[:3], v.shape[3]))
     head_dim_v = None if v.shape[3] == q.shape[3] else v.shape[3]
-    if stored is not None:
-        kernel = codegen.load_for(stored, head_dim_v)
+    if stored is not None and (score.plain or computes_score_variants(stored)):
+        kernel = codegen.load_for(stored, head_dim_v, score)
         if not kernel.unsupported(q, k, v, out):
             return kernel
     shape = Shape(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q=q.shape[2],
@@ -191,12 +232,12 @@ def _own_kernel(op: str, q, k, v, causal: bool, stored: Variant | None) -> Kerne
                   head_dim_v=v.shape[3])
     device = gpu_fingerprint(q.device.index if q.is_cuda else None)
     variant = default_variant(op, shape.problem, device)
-    kernel = codegen.load_for(variant, shape.head_dim_v)
+    kernel = codegen.load_for(variant, shape.head_dim_v, score)
     knobs = variant.as_dict()
     if kernel.unsupported(q, k, v, out) and "LOADS" in knobs:
         fallback = {"LOADS": "pointer", **({"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in knobs else {})}
         kernel = codegen.load_for(load_space(variant.family).nearest_valid(variant.replace(**fallback), shape.problem,
-                                                                           device), shape.head_dim_v)
+                                                                           device), shape.head_dim_v, score)
     return kernel
 
 
@@ -214,11 +255,14 @@ def candidate_pair(kernel: Kernel, q, k, v, causal: bool, offset: int, scale: fl
                              lambda: backward_kernel_for_pair(q, k, v, causal, training_backward), scale, causal, offset)
 
 
-def forward_for_backward(q, k, v, causal: bool, offset: int, scale: float):
-    """(out, lse) from `forward_kernel_for_backward`: what a backward variant consumes."""
+def forward_for_backward(q, k, v, causal: bool, offset: int, scale: float, score_args=None):
+    """(out, lse) from `forward_kernel_for_backward`: what a backward variant consumes (with the
+    attention variants' values `score_args`, its forward rendered with them)."""
     out = output_like(q, v)  # (B, H, N, D_v) in q's memory layout, as the API hands the backward its O
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    forward_kernel_for_backward(q, k, v, causal).forward(q, k, v, out, lse, scale, causal, offset)
+    variant = PLAIN if score_args is None else score_args.variant
+    forward_kernel_for_backward(q, k, v, causal, score=variant).forward(q, k, v, out, lse, scale, causal, offset,
+                                                                        **_score_kwargs(score_args))
     return out, lse
 
 
@@ -231,6 +275,7 @@ def check_backward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateR
         off = _alignment(kernel, gs, i)
         scale = 1.0 / math.sqrt(gs.head_dim)
         grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        score = gate_score_args(shape, gs, device)
         if refuses_value_dim(kernel, q, v):
             continue
         require_supported(kernel, q, k, v, grad)
@@ -239,15 +284,15 @@ def check_backward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateR
                 pair = candidate_pair(kernel, q, k, v, gs.causal, off, scale)
                 grads = pair.backward(q, k, v, *pair.forward(q, k, v), grad)
             else:
-                out, lse = forward_for_backward(q, k, v, gs.causal, off, scale)
-                kernel.backward(q, k, v, out, lse, grad, *grads, scale, gs.causal, off)
+                out, lse = forward_for_backward(q, k, v, gs.causal, off, scale, score)
+                kernel.backward(q, k, v, out, lse, grad, *grads, scale, gs.causal, off, **_score_kwargs(score))
         except RuntimeError as e:
             if not refused_by_vendor(kernel, e):
                 raise
             continue
         checked += 1
-        refs = reference_grads(q, k, v, grad, gs.causal, off, scale)
-        theirs = sdpa_grads(q, k, v, grad, gs.causal, off, scale)
+        refs = reference_grads(q, k, v, grad, gs.causal, off, scale, score=score)
+        theirs = sdpa_grads(q, k, v, grad, gs.causal, off, scale, score)
         for name, mine, ref, sd in zip(("dq", "dk", "dv"), grads, refs, theirs):
             err, s_err = rel_error(mine, ref), rel_error(sd, ref)
             bound = max(GRAD_GATE_FACTOR * s_err, GATE_FLOOR[gs.dtype])

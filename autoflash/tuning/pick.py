@@ -62,7 +62,7 @@ class PickWinner:
         paired_own = next((key for key in ok if key in top and not is_vendor(key)), None)
         if problem.op == "bwd" and paired_own:
             self.sandbox.context["training_backward"] = tuple(paired_own.split(":", 1))
-        if not self.opt.interpret:
+        if not self.opt.interpret and problem.score_variant is None:  # (SDPA computes no attention variants)
             methods += ["sdpa_cudnn", "sdpa_flash"]
         result = self.sandbox.call(self.opt.remeasure_fn or sandbox.remeasure, (
             methods, problem.op, shape, 1 if decided else self.opt.rounds, self.opt.rep_ms, self.device_str),

@@ -20,7 +20,7 @@ from autoflash.device import interpreter_enabled
 from autoflash.problem import Shape
 from autoflash.reference import make_inputs
 from autoflash.space import Variant
-from autoflash.tuning.gate import check, gate_shapes
+from autoflash.tuning.gate import check, gate_score_args, gate_shapes
 from autoflash.reference import causal_offset_for
 from autoflash.tuning.timing import SDPA_BACKENDS, launch_callable, sdpa_callable, time_callable, time_variant
 
@@ -83,9 +83,9 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
     # The gate's inputs depend only on these, not on the timing shape's lengths: problems that
     # differ only in seqlen bucket share one gate result per variant within a worker.
     gate_key = (variant.family, variant.json(), shape.dtype, shape.head_dim, shape.head_dim_v, shape.causal,
-                shape.heads_q // shape.heads_kv, *_own_halves(variant))
+                shape.heads_q // shape.heads_kv, shape.score, *_own_halves(variant))
     try:
-        kernel = codegen.load_for(variant, shape.head_dim_v)
+        kernel = codegen.load_for(variant, shape.head_dim_v, shape.score_variant)
         gate = _gate_cache.get(gate_key)
         if gate is None:
             gate = _gate_cache[gate_key] = check(kernel, shape, device)
@@ -108,13 +108,14 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
 
 
 def _gate_and_timing_inputs(shape: Shape, device):
-    """(q, k, v, causal_offset) for every argument configuration the gate and timing launch."""
+    """(q, k, v, causal_offset, score_args) for every argument configuration the gate and timing launch."""
     configs = []
     for i, gs in enumerate(gate_shapes(shape)):
         q, k, v = make_inputs(gs, device, seed=i, layout="bnhd" if i % 2 else "bhnd")
-        configs.append((q, k, v, causal_offset_for(gs, "bottom_right" if i % 2 else "top_left")))
+        configs.append((q, k, v, causal_offset_for(gs, "bottom_right" if i % 2 else "top_left"),
+                        gate_score_args(shape, gs, device)))
     q, k, v = make_inputs(shape, device, seed=1234)
-    configs.append((q, k, v, 0))
+    configs.append((q, k, v, 0, None if shape.score is None else shape.score.args(q.shape[1], device)))
     return configs
 
 
@@ -125,10 +126,10 @@ def compile_variant(variant_json: str, family: str, shape: Shape, rep_ms: float,
     t0 = time.perf_counter()
     variant = _declared_variant(family, variant_json)
     try:
-        kernel = codegen.load_for(variant, shape.head_dim_v)
+        kernel = codegen.load_for(variant, shape.head_dim_v, shape.score_variant)
         if device_str != "cpu":  # the interpreter has nothing to compile
-            for q, k, v, off in _gate_and_timing_inputs(shape, torch.device(device_str)):
-                kernel.compile_for(q, k, v, shape.causal, off, page=shape.page)
+            for q, k, v, off, score in _gate_and_timing_inputs(shape, torch.device(device_str)):
+                kernel.compile_for(q, k, v, shape.causal, off, page=shape.page, score_args=score)
     except Exception as e:  # noqa: BLE001
         text = f"{type(e).__name__}: {e}"
         return Outcome("compile_error" if _is_compile_error(e, text) else "runtime_error",
@@ -149,11 +150,12 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
     fns = {}
     for m in methods:
         if m in SDPA_COLUMNS:  # the yardstick columns ("sdpa_fwd:{...}" is a vendor family's candidate)
-            if device.type == "cuda":
+            if device.type == "cuda" and shape.score is None:  # (SDPA computes no variants: no column)
                 fns[m] = sdpa_callable(m[5:], shape, q, k, v, backward=(op == "bwd"))
             continue
         family, _, variant_json = m.partition(":") if not m.startswith("{") else ("", "", m)
-        fns[m] = launch_callable(codegen.load_for(_declared_variant(family or op, variant_json), shape.head_dim_v), shape, q, k, v, 0)
+        kernel = codegen.load_for(_declared_variant(family or op, variant_json), shape.head_dim_v, shape.score_variant)
+        fns[m] = launch_callable(kernel, shape, q, k, v, 0)
     samples = {m: [] for m in methods}
     for _ in range(rounds):
         for m in methods:

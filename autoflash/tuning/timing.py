@@ -155,6 +155,8 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
         raise ValueError(f"{kernel.family} cannot take causal offset {off}")
     # (an output's shape for the check: q where V has its head dim, as always)
     require_supported(kernel, q, k, v, q if v.shape[3] == q.shape[3] else q.new_empty((*q.shape[:3], v.shape[3])))
+    if shape.score is not None:  # (own kernels only: no vendor kernel computes the variants)
+        return variant_callable(kernel, shape, q, k, v, off, scale)
     if kernel.op == "bwd":
         grad = output_grad(shape, q.device, seed=4321)  # (B, H, N, D_v)
         require_supported(kernel, q, k, v, grad)
@@ -177,6 +179,32 @@ def launch_callable(kernel: Kernel, shape: Shape, q, k, v, off: int):
     if launch:
         return lambda: launch(q, k, v, out, lse)
     return lambda: kernel.forward(q, k, v, out, lse, scale, shape.causal, off)
+
+
+def variant_callable(kernel: Kernel, shape: Shape, q, k, v, off: int, scale: float):
+    """`launch_callable` of a shape with attention variants: the kernel launched with the shape's variant
+    values (`ScoreValues.args`), as `variant_forward` serves inference (no bound launcher: the binder
+    knows no variant arguments). A backward candidate is timed as `variant_training`'s training step:
+    the forward kernel rendered with the same variants (the stored forward winner, else the default),
+    then the candidate; the sinks' gradient on the host is left out (the same for every candidate)."""
+    from autoflash.tuning import gate
+
+    if (reason := gate.variant_mismatch(kernel, shape)) is not None:
+        raise ValueError(reason)
+    score = shape.score.args(q.shape[1], q.device)
+    out = torch.empty((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (B, H, N, D_v)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    if kernel.op == "fwd":
+        return lambda: kernel.forward(q, k, v, out, lse, scale, shape.causal, off, score_args=score)
+    grad = output_grad(shape, q.device, seed=4321)
+    require_supported(kernel, q, k, v, grad)
+    forward = gate.forward_kernel_for_backward(q, k, v, shape.causal, gate.training_forward, score.variant)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+
+    def step():
+        forward.forward(q, k, v, out, lse, scale, shape.causal, off, score_args=score)
+        kernel.backward(q, k, v, out, lse, grad, dq, dk, dv, scale, shape.causal, off, score_args=score)
+    return step
 
 
 SDPA_BACKENDS = ("cudnn", "flash")

@@ -32,6 +32,7 @@ from autoflash.space import Variant, default_variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning import sandbox
 from autoflash.tuning.compiles import Compiles
+from autoflash.tuning.score_candidates import serves_problem, variant_default
 from autoflash.tuning.pick import PickWinner
 from autoflash.tuning.search_state import ProblemSearch
 from autoflash.tuning.storage import make_storage
@@ -101,11 +102,12 @@ class Tuner(PickWinner):
         """The problem's search (None when no family has a valid candidate here): its families,
         their trial caps (the trial budget split between the own families) and seeds."""
         problem = shape.problem
-        valid = {f: load_space(f).valid_variants(problem, self.device) for f in families_for(problem.op)}
+        valid = {f: serves_problem(load_space(f).valid_variants(problem, self.device), problem)
+                 for f in families_for(problem.op)}
         families = [f for f in valid if valid[f] and competes(f, self.opt.interpret)]
         if not families:
             return None
-        default = default_variant(problem.op, problem, self.device)
+        default = variant_default(problem, self.device)
         vendor = [f for f in families if load_space(f).vendor]
         own = sorted((f for f in families if f not in vendor), key=lambda f: f != default.family)
         caps, left = {}, self.opt.trials
@@ -119,7 +121,8 @@ class Tuner(PickWinner):
             first = default if default.family == family else space.nearest_valid(
                 space.default_for(problem, self.device), problem, self.device)
             moved = transferred_seeds(problem, family, self.device, self.sibling_winners)
-            seeds[family] = seed_variants(first, problem, self.device, thash, rows, caps[family], moved)
+            seeds[family] = serves_problem(seed_variants(first, problem, self.device, thash, rows, caps[family], moved),
+                                           problem)
         ps = ProblemSearch(shape, valid, vendor, own, default, caps, seeds, self._training_context(shape))
         for family in vendor + own:  # (a resumed run: what earlier runs measured counts)
             trials = self.store.trials_for(self.gpu_key, problem.key, codegen.template_hash(family))
@@ -339,7 +342,7 @@ class Tuner(PickWinner):
             attempts += 1
             trial = study.ask()
             variant = space.suggest(trial)
-            if space.violations(variant, problem, self.device):
+            if space.violations(variant, problem, self.device) or not serves_problem([variant], problem):
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # invalid: never compiled, not a failure
                 continue
             key = variant.json()

@@ -1,0 +1,39 @@
+"""Which candidates a problem with attention variants (window, softcap, ALiBi, sinks) has: only kernels
+that compute them. Vendor kernels (SDPA's backends), the Gluon forward and the decode family compute
+none; the backward family computes them with its Triton dK/dV kernel only (its host launches that one
+in place of the Gluon dK/dV kernel for a variant: the same candidate twice)."""
+
+from __future__ import annotations
+
+from autoflash import families
+from autoflash.device import GPUFingerprint
+from autoflash.problem import Problem
+from autoflash.space import Variant, default_variant, load_space
+
+
+def computes_score_variants(variant: Variant) -> bool:
+    """Whether a variant's kernel computes attention variants (window, softcap, ALiBi, sinks): its family
+    renders them (not a vendor's, nor the Gluon forward's or decode's) and, in the backward, its dK/dV
+    kernel is the Triton one (the Gluon dK/dV kernel computes none: its host would launch the Triton
+    one instead, the same candidate as DKDV_KERNEL = "triton")."""
+    if load_space(variant.family).vendor or not families.host_class(variant.family).serves_score_variants:
+        return False
+    return variant.as_dict().get("DKDV_KERNEL", "triton") == "triton"
+
+
+def serves_problem(variants: list[Variant], problem: Problem) -> list[Variant]:
+    """The variants whose kernels compute `problem`'s attention variants (all of them for plain
+    attention): for a window, softcap, ALiBi or sinks, no vendor kernel, Gluon forward
+    or Gluon dK/dV (`computes_score_variants`)."""
+    if not problem.score_variant:
+        return list(variants)
+    return [v for v in variants if computes_score_variants(v)]
+
+
+def variant_default(problem: Problem, device: GPUFingerprint) -> Variant:
+    """The op's default variant, for a problem with attention variants one whose kernel computes them
+    (the Triton dK/dV kernel where the default's would be Gluon's)."""
+    default = default_variant(problem.op, problem, device)
+    if serves_problem([default], problem) or "DKDV_KERNEL" not in default.as_dict():
+        return default
+    return load_space(default.family).nearest_valid(default.replace(DKDV_KERNEL="triton"), problem, device)

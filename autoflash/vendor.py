@@ -161,8 +161,9 @@ class SdpaKernel:
     def bind_forward(self, q, k, v, o, lse, sm_scale: float, causal: bool, causal_offset: int):
         return None  # SDPA has its own host path
 
-    def compile_for(self, q, k, v, causal: bool, causal_offset: int, page: int | None = None) -> None:
-        pass  # nothing to build
+    def compile_for(self, q, k, v, causal: bool, causal_offset: int, page: int | None = None,
+                    score_args=None) -> None:
+        pass  # nothing to build (and no attention variants: a variant problem has no vendor candidates)
 
     def __repr__(self) -> str:
         return f"SdpaKernel({self.family}: {self.backend})"

@@ -266,12 +266,32 @@ def _remeasure_table(methods, op, shape, rounds, rep_ms, device_str):
     return {"samples": {m: [table.get(m, float("nan"))] * rounds for m in methods}}
 
 
+def _pick_scripted(tmp_path, shape, done, default, stored=None, **options):
+    """Tuner._pick_winner of `shape` over the trials `done` (re-measured by `_remeasure_table`), with
+    `stored` (a Variant) as this GPU's stored winner first. Returns (result, the stored template hashes)."""
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.tuner import Tuner
+
+    store = Store(tmp_path / "t.db")
+    store.add_gpu(DEVICE)
+    tuner = Tuner(store, TuneOptions(trials=1, interpret=True, trial_timeout_s=60, remeasure_fn=_remeasure_table,
+                                     **options), device=DEVICE)
+    if stored is not None:
+        store.set_winner(gpu_key=tuner.gpu_key, problem=shape.problem, template_hash=codegen.template_hash(stored.family),
+                         variant_json=stored.json(), median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
+    try:
+        result = tuner._pick_winner(shape, shape.problem, done, default, measured=len(done), failed=0)
+    finally:
+        tuner.close("done", 1)
+    hashes = {r["template_hash"] for r in store.winners()}
+    store.close()
+    return result, hashes
+
+
 def test_the_pick_re_measures_sdpas_whole_pair_beside_a_pair_with_an_own_half(tmp_path, monkeypatch):
     """The vendor pass found the own forward before SDPA's backward (0.95 ms) ahead of SDPA's whole pair
     (1.0 ms); the re-measure has them at 0.99 and 1.0 ms: a tie, so SDPA's whole pair is stored. It
     must be re-measured for that, though it is neither the fastest vendor candidate nor in the top k."""
-    from autoflash.tuning.results import TuneOptions
-    from autoflash.tuning.tuner import Tuner
 
     bwd = Shape(**{**SHAPE.__dict__, "op": "bwd"})
     own = default_variant("bwd", bwd.problem, DEVICE)
@@ -280,22 +300,13 @@ def test_the_pick_re_measures_sdpas_whole_pair_beside_a_pair_with_an_own_half(tm
     monkeypatch.setenv("AUTOFLASH_TEST_REMEASURED", json.dumps({keys[own]: 1.2, keys[whole]: 1.0, keys[mixed]: 0.99}))
     done = {keys[own]: {"status": "ok", "median_ms": 0.9}, keys[mixed]: {"status": "ok", "median_ms": 0.95},
             keys[whole]: {"status": "ok", "median_ms": 1.0}}
-    store = Store(tmp_path / "t.db")
-    tuner = Tuner(store, TuneOptions(trials=1, top_k=1, interpret=True, trial_timeout_s=60,
-                                     remeasure_fn=_remeasure_table), device=DEVICE)
-    try:
-        result = tuner._pick_winner(bwd, bwd.problem, done, own, measured=3, failed=0)
-    finally:
-        tuner.close("done", 1)
-    store.close()
+    result, _ = _pick_scripted(tmp_path, bwd, done, own, top_k=1)
     assert result.status == "tuned" and result.winner == whole
 
 
 def test_a_stored_own_kernel_keeps_its_place_against_a_pair_with_an_own_half_within_the_noise(tmp_path, monkeypatch):
     """Stored: the own backward (1.0 ms). Re-measured: a pair with an own half at 0.995 ms, inside the
     1% noise band: both are own code, so the stored winner stays (no flapping between re-tunes)."""
-    from autoflash.tuning.results import TuneOptions
-    from autoflash.tuning.tuner import Tuner
 
     bwd = Shape(**{**SHAPE.__dict__, "op": "bwd"})
     own = default_variant("bwd", bwd.problem, DEVICE)
@@ -303,17 +314,7 @@ def test_a_stored_own_kernel_keeps_its_place_against_a_pair_with_an_own_half_wit
     keys = {v: f"{v.family}:{v.json()}" for v in (own, whole, mixed)}
     monkeypatch.setenv("AUTOFLASH_TEST_REMEASURED", json.dumps({keys[own]: 1.0, keys[whole]: 1.05, keys[mixed]: 0.995}))
     done = {key: {"status": "ok", "median_ms": 1.0} for key in keys.values()}
-    store = Store(tmp_path / "t.db")
-    store.add_gpu(DEVICE)
-    tuner = Tuner(store, TuneOptions(trials=1, interpret=True, trial_timeout_s=60, remeasure_fn=_remeasure_table),
-                  device=DEVICE)
-    store.set_winner(gpu_key=tuner.gpu_key, problem=bwd.problem, template_hash=codegen.template_hash(own.family),
-                     variant_json=own.json(), median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
-    try:
-        result = tuner._pick_winner(bwd, bwd.problem, done, own, measured=3, failed=0)
-    finally:
-        tuner.close("done", 1)
-    store.close()
+    result, _ = _pick_scripted(tmp_path, bwd, done, own, stored=own)
     assert result.status == "tuned" and result.winner == own
 
 
@@ -321,8 +322,6 @@ def test_a_stored_own_kernel_keeps_its_place_against_a_pair_with_an_own_half_wit
 def test_a_pick_that_trials_decided_re_measures_once(tmp_path, monkeypatch, own_trial_ms, decided):
     """SDPA's kernel 20% ahead of every own candidate in the trials: the pick re-measures it and the
     best own kernel once and stores SDPA's, the own kernel beside it; 5% ahead, the full pick runs."""
-    from autoflash.tuning.results import TuneOptions
-    from autoflash.tuning.tuner import Tuner
     from autoflash.tuning.winner_rows import vendor_decided
 
     own = default_variant("fwd", SHAPE.problem, DEVICE)
@@ -332,15 +331,7 @@ def test_a_pick_that_trials_decided_re_measures_once(tmp_path, monkeypatch, own_
     log = tmp_path / "remeasure.json"
     monkeypatch.setenv("AUTOFLASH_TEST_REMEASURED", json.dumps({vendor: 1.0, own_key: own_trial_ms}))
     monkeypatch.setenv("AUTOFLASH_TEST_REMEASURE_LOG", str(log))
-    store = Store(tmp_path / "t.db")
-    tuner = Tuner(store, TuneOptions(trials=1, rounds=3, interpret=True, trial_timeout_s=60,
-                                     remeasure_fn=_remeasure_table), device=DEVICE)
-    try:
-        result = tuner._pick_winner(SHAPE, SHAPE.problem, done, own, measured=2, failed=0)
-    finally:
-        tuner.close("done", 1)
-    stored = {r["template_hash"] for r in store.winners()}
-    store.close()
+    result, stored = _pick_scripted(tmp_path, SHAPE, done, own, rounds=3)
     assert result.status == "tuned" and result.winner.family == "sdpa_fwd"
     assert codegen.template_hash(own.family) in stored  # (the own kernel beside the vendor win)
     asked = json.loads(log.read_text())

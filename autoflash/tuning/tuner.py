@@ -28,7 +28,7 @@ import optuna
 from autoflash import codegen
 from autoflash.device import GPUFingerprint, gpu_fingerprint
 from autoflash.problem import Shape
-from autoflash.space import Variant, default_variant, families_for, load_space
+from autoflash.space import Variant, families_for, load_space
 from autoflash.store import Store
 from autoflash.tuning import sandbox
 from autoflash.tuning.compiles import Compiles

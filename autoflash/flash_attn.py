@@ -19,7 +19,7 @@ from autoflash.eager import eager_attention
 from autoflash.fallback import fall_back
 from autoflash.kernel_cache import KernelCacheError
 from autoflash.reference import sdpa_attention
-from autoflash.score_variant import ScoreArgs
+from autoflash.score_variant import ScoreArgs, binding_window
 from autoflash.validate import (check_alibi, check_flag, check_heads, check_numbers, check_softcap, check_tensors,
                                 check_window, deterministic_backward, needs_autograd, softmax_scale_or_default,
                                 unsupported_reason)
@@ -130,19 +130,6 @@ def _planned_heads_first(q, k, v, softmax_scale, causal, deterministic: bool = F
         return None
     out = api.repeat_call(q, k, v, causal, softmax_scale, True, k.shape[2] - q.shape[2], deterministic)
     return None if out is None else out.transpose(1, 2).contiguous()
-
-
-def binding_window(window: tuple[int, int], causal: bool, n_q: int, n_k: int) -> tuple[tuple[int, int], bool]:
-    """(window, causal) with the bounds that exclude no key dropped (-1), and a right bound of 0
-    turned into causality itself (the kernels serve that). Positions are bottom-right aligned."""
-    left, right = window
-    if left >= n_k - 1:  # the first key is within reach of every query
-        left = -1
-    if right == 0:
-        causal, right = True, -1
-    if right >= 0 and (causal or right >= n_q - 1):  # causality is tighter / the last key is within reach
-        right = -1
-    return (left, right), causal
 
 
 def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slopes, deterministic, return_lse):

@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 
-from autoflash.score_variant import PLAIN, ScoreValues, ScoreVariant, score_values
+from autoflash.score_variant import PLAIN, ScoreValues, ScoreVariant, binding_window, score_values
 
 OPS = ("fwd", "bwd", "decode")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -209,7 +209,12 @@ class Shape:
     def __post_init__(self):
         if self.head_dim_v is not None and self.head_dim_v == self.head_dim:
             object.__setattr__(self, "head_dim_v", None)
-        object.__setattr__(self, "score", score_values(self.score))
+        score = score_values(self.score)
+        if score is not None:  # as the drop-ins bind a window (one call, one problem key: see binding_window)
+            window, causal = binding_window(score.window, self.causal, self.seqlen_q, self.seqlen_k)
+            score = score_values(dataclasses.replace(score, window=window))
+            object.__setattr__(self, "causal", causal)
+        object.__setattr__(self, "score", score)
 
     def as_dict(self) -> dict:
         """The fields as stored in JSON (winner rows, bench output): head_dim_v and score only where

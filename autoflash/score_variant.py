@@ -120,7 +120,8 @@ class ScoreValues:
     """A tuning shape's variant values (`Shape.score`): what its kernels are gated and timed with. The
     tensors of `ScoreArgs` are made from them per head count (deterministic: ALiBi's geometric slopes,
     evenly spaced sink logits), so a shape stays a small picklable, JSON-able value.
-    window: (left, right), -1 unbounded (a causal window of 4096 keys: (4096, 0) or (4096, -1))."""
+    window: (left, right), -1 unbounded; a Shape binds it as the drop-ins do (`binding_window`: a causal
+    window of 4096 keys is (4096, -1), one that excludes no key none)."""
 
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
@@ -165,6 +166,19 @@ def alibi_slopes(heads: int) -> list[float]:
     """ALiBi's geometric slopes (Press et al.): 2^(-8 (h + 1) / heads) for head h (the power-of-two rule,
     used for any head count: tuning needs deterministic, realistic values, not the paper's interleave)."""
     return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
+
+
+def binding_window(window: tuple[int, int], causal: bool, n_q: int, n_k: int) -> tuple[tuple[int, int], bool]:
+    """(window, causal) with the bounds that exclude no key dropped (-1), and a right bound of 0
+    turned into causality itself (the kernels serve that). Positions are bottom-right aligned."""
+    left, right = window
+    if left >= n_k - 1:  # the first key is within reach of every query
+        left = -1
+    if right == 0:
+        causal, right = True, -1
+    if right >= 0 and (causal or right >= n_q - 1):  # causality is tighter / the last key is within reach
+        right = -1
+    return (left, right), causal
 
 
 def score_values(value) -> "ScoreValues | None":

@@ -215,9 +215,23 @@ def load_shape_set(name_or_path: str, op: str = "fwd") -> list[Shape]:
     for i, shape in enumerate(shapes):
         if reason := shape_problem(shape):
             raise ValueError(f"{name_or_path}: shape {i + 1} ({shape.label()}): {reason}")
+    _refuse_variant_values_in_one_problem(name_or_path, shapes)
     if not shapes:
         raise ValueError(f"shape set {name_or_path!r} defines no shapes")
     return shapes
+
+
+def _refuse_variant_values_in_one_problem(name: str, shapes: list[Shape]) -> None:
+    """A problem key names its variants, not their values: two shapes of one problem with other values
+    (windows of 128 and 4096 keys) would be tuned as one, the first one's values standing for both."""
+    first = {}
+    for i, shape in enumerate(shapes):
+        key = shape.problem.key
+        j = first.setdefault(key, i)
+        if shapes[j].score != shape.score:
+            raise ValueError(f"{name}: shapes {j + 1} and {i + 1} are one problem ({key}) with other variant "
+                             f"values ({shapes[j].score.as_dict()} and {shape.score.as_dict()}): tune them in "
+                             f"separate runs (a problem key carries no values)")
 
 
 # Realistic ranges for `random:N[:SEED]` shape sets (models' attention, prefill and training).

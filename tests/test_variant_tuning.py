@@ -36,7 +36,7 @@ def test_a_plain_shape_is_what_it_was_and_a_variant_shape_round_trips():
     assert Shape(**PLAIN.as_dict(), score={}) == PLAIN  # plain values are no variant
     assert PLAIN.problem.score_variant is None
     stored = json.loads(json.dumps(CAPPED.as_dict()))
-    assert stored["score"] == {"window": [20, 0], "softcap": 30.0}
+    assert stored["score"] == {"window": [20, -1], "softcap": 30.0}
     assert Shape(**stored) == CAPPED and pickle.loads(pickle.dumps(CAPPED)) == CAPPED
     assert CAPPED.problem.key.endswith("/window+softcap")
     assert Problem.from_key(CAPPED.problem.key) == CAPPED.problem
@@ -47,11 +47,37 @@ def test_shape_sets_take_variant_values(tmp_path):
     path.write_text(VARIANT_TOML + "\n[[grid]]\ndtype = [\"float16\"]\nhead_dim = [64]\ncausal = [false]\n"
                     "seqlen = [64]\nbatch = 1\nheads_q = 2\nalibi = true\nsinks = true\n")
     grid, capped = load_shape_set(str(path), op="bwd")  # ([[grid]] tables' shapes first)
-    assert capped.score == ScoreValues(window=(16, 0), softcap=30.0)
+    assert capped.score == ScoreValues(window=(16, -1), softcap=30.0)  # (bound as the drop-ins bind it)
     assert grid.score == ScoreValues(alibi=True, sinks=True)
     assert grid.problem.key.endswith("/alibi+sinks") and capped.problem.key.startswith("bwd/")
     path.write_text(VARIANT_TOML.replace("softcap = 30.0", "softcap = -1.0"))
     with pytest.raises(ValueError, match="softcap must be >= 0"):
+        load_shape_set(str(path))
+
+
+def test_a_shape_binds_its_window_as_the_drop_ins_do():
+    """The key a tuned winner is stored under is the key a call of that shape looks up: a window that
+    excludes no key is none (a 4096-key causal window at 4096 tokens: softcap only), a right bound of 0
+    is causality (bottom-right aligned, as flash-attn)."""
+    from autoflash.score_variant import binding_window
+
+    base = dict(batch=1, heads_q=2, heads_kv=2, head_dim=64, dtype="bfloat16")
+    whole = Shape(seqlen_q=4096, seqlen_k=4096, causal=True, score={"window": (4096, 0), "softcap": 50.0}, **base)
+    assert whole.problem.key.endswith("/softcap") and whole.score.window == (-1, -1)
+    assert Shape(seqlen_q=4096, seqlen_k=4096, causal=True, score={"window": (4096, 0)}, **base).score is None
+    right0 = Shape(seqlen_q=512, seqlen_k=512, causal=False, score={"window": (128, 0)}, **base)
+    assert right0.causal and right0.score.window == (128, -1)
+    for window, causal in (((128, 0), True), ((128, 128), False), ((4096, 4096), False), ((-1, 0), True)):
+        (want, want_causal) = binding_window(window, causal, 512, 512)
+        shape = Shape(seqlen_q=512, seqlen_k=512, causal=causal, score={"window": window, "softcap": 5.0}, **base)
+        assert (shape.score.window, shape.causal) == (want, want_causal)
+
+
+def test_a_shape_set_refuses_one_problem_with_two_windows(tmp_path):
+    path = tmp_path / "two.toml"
+    path.write_text("".join(f"[[shape]]\nbatch = 1\nheads_q = 2\nseqlen_q = 512\nseqlen_k = 512\nhead_dim = 64\n"
+                            f"causal = true\ndtype = \"float16\"\nwindow = {w}\n" for w in (128, 256)))
+    with pytest.raises(ValueError, match="one problem .* with other variant values"):
         load_shape_set(str(path))
 
 
@@ -60,9 +86,9 @@ def test_the_named_variants_set_has_the_models_variants():
     assert [k.rsplit("/", 1)[1] for k in keys] == ["window+softcap", "softcap", "window", "window+sinks", "sinks"]
     gemma, _, mistral, oss, _ = load_shape_set("variants")
     assert (gemma.head_dim, gemma.heads_q, gemma.heads_kv, gemma.score.softcap, gemma.score.window) == \
-        (256, 16, 8, 50.0, (4096, 0))
-    assert (mistral.head_dim, mistral.seqlen_q, mistral.score.window) == (128, 16384, (4096, 0))
-    assert (oss.head_dim, oss.heads_q, oss.heads_kv, oss.score.window, oss.score.sinks) == (64, 64, 8, (128, 0), True)
+        (256, 16, 8, 50.0, (4096, -1))
+    assert (mistral.head_dim, mistral.seqlen_q, mistral.score.window) == (128, 16384, (4096, -1))
+    assert (oss.head_dim, oss.heads_q, oss.heads_kv, oss.score.window, oss.score.sinks) == (64, 64, 8, (128, -1), True)
 
 
 def test_families_that_compute_no_variants_are_no_candidates_for_a_variant_problem():
@@ -128,7 +154,8 @@ def test_the_gate_rejects_a_kernel_rendered_without_the_problems_variants():
 @pytest.mark.interpreter
 def test_the_gates_window_reaches_fewer_keys_than_the_gate_shapes_have():
     """A window as long as the tuned one covers a whole gate shape: a kernel without it would pass."""
-    shape = dataclasses.replace(CAPPED, score=ScoreValues(window=(4096, 0), softcap=50.0))
+    shape = dataclasses.replace(CAPPED, seqlen_q=8192, seqlen_k=8192, score=ScoreValues(window=(4096, 0), softcap=50.0))
+    assert shape.score.window == (4096, -1)
     for gs in gate.gate_shapes(shape):
         args = gate.gate_score_args(shape, gs, "cpu")
         assert args.window[0] < gs.seqlen_k and args.softcap <= gate.GATE_SOFTCAP_MAX
@@ -145,7 +172,7 @@ def test_tune_stores_variant_winners_and_which_and_the_dispatcher_serve_them(tmp
     winners = {w["problem"]: w for w in store.winners()}
     assert sorted(Problem.from_key(key).op for key in winners) == ["bwd", "fwd"]
     assert all(key.endswith("/window+softcap") for key in winners), winners
-    assert all(json.loads(w["shape"])["score"] == {"window": [16, 0], "softcap": 30.0} for w in winners.values())
+    assert all(json.loads(w["shape"])["score"] == {"window": [16, -1], "softcap": 30.0} for w in winners.values())
     trials = list(store.db["trials"].rows)
     assert trials and all(row["status"] == "ok" and row["err"] is not None for row in trials)
     for op in ("fwd", "bwd"):

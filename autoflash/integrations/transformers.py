@@ -36,7 +36,8 @@ import autoflash
 from autoflash import variant_forward
 from autoflash.eager import eager_attention
 from autoflash.fallback import fall_back, ignored
-from autoflash.flash_attn import binding_window, flash_attn_func, flash_attn_heads_first
+from autoflash.flash_attn import flash_attn_func, flash_attn_heads_first
+from autoflash.score_variant import binding_window
 from autoflash.score_variant import ScoreArgs
 from autoflash.validate import needs_autograd
 

@@ -264,8 +264,18 @@ class Shape:
         per_dim = 2.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k
         if self.causal:
             per_dim /= 2
+        if self.score is not None and self.score.window != (-1, -1):  # only the band's (query, key) pairs
+            per_dim = 2.0 * self.batch * self.heads_q * self._window_pairs()
         dims = {"fwd": d + dv, "decode": d + dv, "bwd": 3 * d + 2 * dv, "fwdbwd": 4 * d + 3 * dv}[self.op]
         return per_dim * dims
+
+    def _window_pairs(self) -> int:
+        """(query, key) pairs a sliding window lets through (bottom-right aligned, causal or not): a
+        window of 128 keys at 4k tokens is 1/16 of causal attention's work, and its TFLOP/s count that."""
+        n_q, n_k, (left, right) = self.seqlen_q, self.seqlen_k, self.score.window
+        offset, right = n_k - n_q, 0 if self.causal else (n_k if right < 0 else right)
+        left = n_k if left < 0 else left
+        return sum(max(0, min(n_k - 1, i + offset + right) - max(0, i + offset - left) + 1) for i in range(n_q))
 
     def short_label(self) -> str:
         """Compact, for plot axes: 'd128 causal 4k' (dtype and batch left out)."""

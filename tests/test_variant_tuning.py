@@ -73,6 +73,18 @@ def test_a_shape_binds_its_window_as_the_drop_ins_do():
         assert (shape.score.window, shape.causal) == (want, want_causal)
 
 
+def test_a_windows_flops_count_only_its_band():
+    """A causal window of w keys at n tokens: w(w+1)/2 + (n-w)w pairs (as `bench --variants` counts);
+    a window that excludes no key counts as causal attention does."""
+    base = dict(batch=2, heads_q=4, heads_kv=4, head_dim=64, dtype="bfloat16", seqlen_q=4096, seqlen_k=4096)
+    w, n = 128, 4096
+    windowed = Shape(causal=True, score={"window": (w - 1, 0)}, **base)  # (w - 1 keys back: w in the band)
+    assert windowed.flops() == 2.0 * 2 * 4 * (w * (w + 1) // 2 + (n - w) * w) * (64 + 64)
+    assert Shape(causal=True, score={"window": (n, 0), "softcap": 1.0}, **base).flops() == Shape(causal=True, **base).flops()
+    both_ways = Shape(causal=False, score={"window": (1, 1)}, **base)
+    assert both_ways.flops() == 2.0 * 2 * 4 * (3 * n - 2) * (64 + 64)
+
+
 def test_a_shape_set_refuses_one_problem_with_two_windows(tmp_path):
     path = tmp_path / "two.toml"
     path.write_text("".join(f"[[shape]]\nbatch = 1\nheads_q = 2\nseqlen_q = 512\nseqlen_k = 512\nhead_dim = 64\n"

@@ -390,7 +390,7 @@ class Planner:
         now = self.clock()
         p = self.problems[step.problem]
         if step.kind == "vendor":
-            p.vendor_ms = vendor_ms if vendor_ms is not None else p.vendor_ms  # (first: the scale is of this call)
+            p.vendor_ms = vendor_ms if vendor_ms is not None else p.vendor_ms  # (first: the extra time is of this call)
             # As a problem of short calls: one of long calls would inflate every other's estimate.
             self._observe_short("vendor_s", now - self._t0, self.vendor_s(p) - self.costs.vendor(p.op), p.op)
             p.vendor_done = True

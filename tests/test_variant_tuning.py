@@ -93,6 +93,13 @@ def test_a_shape_set_refuses_one_problem_with_two_windows(tmp_path):
         load_shape_set(str(path))
 
 
+def test_bench_refuses_shapes_with_variant_values_it_would_time_without_them():
+    """(--fwdbwd loads its shapes the same way; it needs a GPU first)"""
+    r = CliRunner().invoke(cli, ["bench", "--interpret", "--shapes", "variants"])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "attention-variant values" in text and "--variants" in text, text
+
+
 def test_the_named_variants_set_has_the_models_variants():
     keys = [s.problem_on(132).key for s in load_shape_set("variants")]
     assert [k.rsplit("/", 1)[1] for k in keys] == ["window+softcap", "softcap", "window", "window+sinks", "sinks"]

@@ -88,6 +88,18 @@ def _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, j
     _save(bench_mod, rows, methods, title, md_path, plot_path, json_path=json_path, metric="fwdbwd_tflops")
 
 
+def _bench_shapes(shapes: str, op: str) -> list:
+    """The shapes `bench --shapes` times: plain ones only, so far (the bench times plain attention
+    beside SDPA, which computes no variants; a shape with window or softcap values would be timed
+    without them under a variant's label)."""
+    shape_list = load_shapes(shapes, op)
+    if any(s.score is not None for s in shape_list):
+        raise click.BadParameter(f"{shapes} has shapes with attention-variant values (window, softcap, alibi, "
+                                 f"sinks): `bench --shapes` times plain attention only; `bench --variants` "
+                                 f"times the variants beside FlexAttention and masked SDPA", param_hint="'--shapes'")
+    return shape_list
+
+
 def _compile_ahead(shape_list, mode, jobs):
     from autoflash.bench_warm import compile_ahead, default_jobs
 
@@ -285,12 +297,12 @@ def bench(shapes, seed, rounds, plot_path, md_path, json_path, fwdbwd, memory, o
     elif op == "decode":
         _decode(device, rounds, interpret, md_path, json_path)
     elif fwdbwd:
-        _compile_ahead(load_shapes(shapes, op), "fwdbwd", compile_jobs)
-        _fwdbwd(bench_mod, device, load_shapes(shapes, op), rounds, memory, md_path, plot_path, json_path)
+        _compile_ahead(_bench_shapes(shapes, op), "fwdbwd", compile_jobs)
+        _fwdbwd(bench_mod, device, _bench_shapes(shapes, op), rounds, memory, md_path, plot_path, json_path)
     else:
         if not (interpret or baseline_template):
-            _compile_ahead(load_shapes(shapes, op), op, compile_jobs)
-        _kernels(bench_mod, device, load_shapes(shapes, op), op, rounds, baseline_template, interpret, md_path,
+            _compile_ahead(_bench_shapes(shapes, op), op, compile_jobs)
+        _kernels(bench_mod, device, _bench_shapes(shapes, op), op, rounds, baseline_template, interpret, md_path,
                  plot_path, json_path)
     _say_rejected(device)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoflash.tuning.planner import (CALLS_PER_TIMING, DECIDED_PICK_TIMINGS, NOMINAL_FLOPS_PER_S, VENDOR_TIMINGS,
-                                     WALL_PER_TIMING, Arm,
-                                     Costs, Planner, ProblemPlan, Step)
+from autoflash.tuning.plan_costs import (CALLS_PER_TIMING, DECIDED_PICK_TIMINGS, NOMINAL_FLOPS_PER_S, VENDOR_TIMINGS,
+                                        WALL_PER_TIMING, Costs)
+from autoflash.tuning.planner import Arm, Planner, ProblemPlan, Step
 
 
 @dataclasses.dataclass

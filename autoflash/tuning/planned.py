@@ -11,7 +11,8 @@ import math
 from autoflash.problem import Shape
 from autoflash.space import InvalidVariant, default_variant, load_space
 from autoflash.tuning.forecast import Curve, forecast
-from autoflash.tuning.planner import DECIDED_PICK_TIMINGS, Arm, Costs, Planner, ProblemPlan, Snapshot
+from autoflash.tuning.plan_costs import DECIDED_PICK_TIMINGS, Costs
+from autoflash.tuning.planner import Arm, Planner, ProblemPlan, Snapshot
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 
 

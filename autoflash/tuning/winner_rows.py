@@ -11,7 +11,7 @@ from autoflash import codegen
 from autoflash.space import families_for, load_space
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.timing import tflops
-from autoflash.tuning.planner import DECIDED_MARGIN
+from autoflash.tuning.plan_costs import DECIDED_MARGIN
 from autoflash.vendor import VENDOR_TIE_MARGIN, runs_own_half
 
 
@@ -36,7 +36,7 @@ def vendor_on_a_tie(winner_key: str, finite: list[str], medians: dict) -> str:
     return vendor_key if medians[vendor_key] <= medians[winner_key] * (1 + VENDOR_TIE_MARGIN) else winner_key
 
 
-# `planner.DECIDED_MARGIN`: trial medians this far apart (SDPA's whole kernel ahead of every candidate
+# `plan_costs.DECIDED_MARGIN`: trial medians this far apart (SDPA's whole kernel ahead of every candidate
 # with own code) decide a pick before its re-measure: short timings of one kernel spread by ~10% at
 # most, interleaved ones by 1-4% (H100/H200), so three re-measure rounds of every finalist would only
 # confirm it. On a GPU with no winners most problems are like this (22 new problems: own 0.69-0.97x

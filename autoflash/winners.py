@@ -97,7 +97,7 @@ class WinnerTable:
             vendor = load_space(family).vendor
             # Between families own code (an own kernel, or a vendor pair with an own half) must beat
             # an all-vendor kernel by the tie margin (see vendor.py).
-            all_vendor = vendor and not runs_own_half(knobs)
+            all_vendor = vendor and not runs_own_half(variant.as_dict())
             tables = [(self.rows, self.origins, self._ms, decided, ms if all_vendor else ms * (1 + VENDOR_TIE_MARGIN))]
             if not vendor:
                 tables.append((self.own_rows, self.own_origins, self._own_ms, own_decided, ms))

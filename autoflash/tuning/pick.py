@@ -35,22 +35,13 @@ class PickWinner:
         ok = sorted(candidates, key=lambda key: done[key]["median_ms"])
         if not ok:
             return ProblemResult(shape, problem, None, {}, math.nan, measured, failed, "no_valid_candidate")
-        top = ok[: self.opt.top_k]
         default_key = f"{default.family}:{default.json()}"
-        if default_key in ok:
-            top.append(default_key)  # a gated default competes in the final round too
         incumbent = self._incumbent(problem, set(ok))
-        if incumbent:
-            top.append(incumbent)
-        best_vendor = next((key for key in ok if is_vendor(key)), None)
-        if best_vendor:
-            top.append(best_vendor)  # the bar: an own kernel is stored only where it beats it (below)
-            # (and SDPA's own kernels, whole: a pair with an own half must beat them by the tie margin)
-            top += [key for key in ok if is_all_vendor(key)][:1]
-            top += [key for key in ok if not is_vendor(key)][:1]  # (stored beside a vendor win)
         decided = vendor_decided(ok, done)
         if decided:  # SDPA's kernel is clearly ahead: one round confirms it (and times what is stored beside it)
             top = decided + ([incumbent] if incumbent else [])
+        else:
+            top = self._finalists(ok, default_key, incumbent)
         top = [key for key in dict.fromkeys(top) if self._gated_this_run(key, done[key], candidates[key], shape)]
         if incumbent not in top:
             incumbent = None
@@ -91,6 +82,22 @@ class PickWinner:
                           finite=finite, medians=medians, samples=samples, spread=spread, ms=ms,
                           measured=measured, run_id=self.run_id, paired_own=paired_own)
         return ProblemResult(shape, problem, candidates[winner_key], ms, spread, measured, failed, "tuned")
+
+    def _finalists(self, ok: list[str], default_key: str, incumbent: str | None) -> list[str]:
+        """An open pick's re-measured candidates: the top k by trial time, the gated default, the
+        incumbent, and beside the best vendor candidate SDPA's best whole kernel (a pair with an own
+        half must beat it by the tie margin) and the best own kernel (stored beside a vendor win)."""
+        top = ok[: self.opt.top_k]
+        if default_key in ok:
+            top.append(default_key)  # a gated default competes in the final round too
+        if incumbent:
+            top.append(incumbent)
+        best_vendor = next((key for key in ok if is_vendor(key)), None)
+        if best_vendor:
+            top.append(best_vendor)  # the bar: an own kernel is stored only where it beats it
+            top += [key for key in ok if is_all_vendor(key)][:1]
+            top += [key for key in ok if not is_vendor(key)][:1]
+        return top
 
     def _trusted_variant(self, key: str, row: dict, problem) -> Variant | None:
         """The Variant of a 'family:variant JSON' trial, when it may compete (see `_pick_winner`)."""

@@ -36,17 +36,15 @@ def vendor_on_a_tie(winner_key: str, finite: list[str], medians: dict) -> str:
     return vendor_key if medians[vendor_key] <= medians[winner_key] * (1 + VENDOR_TIE_MARGIN) else winner_key
 
 
-# `plan_costs.DECIDED_MARGIN`: trial medians this far apart (SDPA's whole kernel ahead of every candidate
-# with own code) decide a pick before its re-measure: short timings of one kernel spread by ~10% at
-# most, interleaved ones by 1-4% (H100/H200), so three re-measure rounds of every finalist would only
-# confirm it. On a GPU with no winners most problems are like this (22 new problems: own 0.69-0.97x
-# SDPA after the seed pass), and their picks took 72 s of a 5-minute run.
-
-
 def vendor_decided(ok: list[str], done: dict) -> list[str] | None:
     """The methods a decided pick re-measures, once: the fastest all-vendor candidate, the fastest
     one with own code and the fastest own kernel (both stored beside it); None where the trials leave
-    the pick open. ok: gated candidates' keys, fastest trial first."""
+    the pick open. ok: gated candidates' keys, fastest trial first.
+
+    Trial medians DECIDED_MARGIN apart decide it: short timings of one kernel spread by ~10% at most,
+    interleaved ones by 1-4% (H100/H200), so three rounds of every finalist would only confirm it. On a
+    GPU with no winners most problems are so (22 new problems: own 0.69-0.97x SDPA after the seed
+    pass), and their picks took 72 s of a 5-minute run."""
     vendors = [key for key in ok if is_all_vendor(key)]
     mine = [key for key in ok if not is_all_vendor(key)]
     if not vendors or (mine and done[mine[0]]["median_ms"] < done[vendors[0]]["median_ms"] * (1 + DECIDED_MARGIN)):

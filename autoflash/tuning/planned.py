@@ -11,7 +11,7 @@ import math
 from autoflash.problem import Shape
 from autoflash.space import InvalidVariant, default_variant, load_space
 from autoflash.tuning.forecast import Curve, forecast
-from autoflash.tuning.plan_costs import DECIDED_PICK_TIMINGS, Costs
+from autoflash.tuning.plan_costs import DECIDED_PICK_TIMINGS, WALL_PER_TIMING, Costs
 from autoflash.tuning.planner import Arm, Planner, ProblemPlan, Snapshot
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
 
@@ -66,9 +66,15 @@ def costs_for(options: TuneOptions) -> Costs:
     nothing and has no vendor candidates."""
     if options.interpret:
         return Costs(vendor_s=0.0, pick_s=1.0, decided_pick_s=1.0, prior_wait_s=0.0, prior_per_s=0.5, op_scale={})
-    pick_s = 1.0 + (options.top_k + 4) * options.rounds * 1.5 * options.rep_ms / 1e3
-    decided_pick_s = 1.0 + DECIDED_PICK_TIMINGS * 1.5 * options.rep_ms / 1e3  # (SDPA clearly ahead: one round)
+    pick_s = 1.0 + pick_timings(options) * WALL_PER_TIMING * options.rep_ms / 1e3
+    decided_pick_s = 1.0 + DECIDED_PICK_TIMINGS * WALL_PER_TIMING * options.rep_ms / 1e3  # (SDPA clearly ahead: one round)
     return Costs(pick_s=pick_s, decided_pick_s=decided_pick_s, prior_waits=dict(COMPILE_PRIORS_S))
+
+
+def pick_timings(options: TuneOptions) -> int:
+    """Timings in an open pick: about top_k + 4 methods (the default, the incumbent, the best vendor
+    and own candidates, SDPA's columns) for each of its rounds."""
+    return (options.top_k + 4) * options.rounds
 
 
 def plan_of(ps) -> ProblemPlan:
@@ -98,10 +104,10 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
         index.append(i)
     plans = [plan_of(ps) for ps in searches]
     batch = options.compile_workers if tuner.compilers else 1
-    # The interpreter times one call, not rep_ms of repetitions: its long calls cost no more (scale 1).
+    # The interpreter times one call, not rep_ms of repetitions: its long calls add no extra time.
     rep_ms = math.inf if options.interpret else options.rep_ms
     planner = Planner(plans, options.budget_s, options.clock, costs_for(options), start=start, batch=batch,
-                      rep_ms=rep_ms, pick_timings=(options.top_k + 4) * options.rounds)  # (as `costs_for`)
+                      rep_ms=rep_ms, pick_timings=pick_timings(options))
     _compile_seeds(tuner, planner, searches)
     if options.budget_s is not None and planner.reserve_s() > planner.left():
         reporter.budget_short(options.budget_s, options.clock() - start + planner.reserve_s())

@@ -297,12 +297,14 @@ def bench(shapes, seed, rounds, plot_path, md_path, json_path, fwdbwd, memory, o
     elif op == "decode":
         _decode(device, rounds, interpret, md_path, json_path)
     elif fwdbwd:
-        _compile_ahead(_bench_shapes(shapes, op), "fwdbwd", compile_jobs)
-        _fwdbwd(bench_mod, device, _bench_shapes(shapes, op), rounds, memory, md_path, plot_path, json_path)
+        shape_list = _bench_shapes(shapes, op)
+        _compile_ahead(shape_list, "fwdbwd", compile_jobs)
+        _fwdbwd(bench_mod, device, shape_list, rounds, memory, md_path, plot_path, json_path)
     else:
+        shape_list = _bench_shapes(shapes, op)
         if not (interpret or baseline_template):
-            _compile_ahead(_bench_shapes(shapes, op), op, compile_jobs)
-        _kernels(bench_mod, device, _bench_shapes(shapes, op), op, rounds, baseline_template, interpret, md_path,
+            _compile_ahead(shape_list, op, compile_jobs)
+        _kernels(bench_mod, device, shape_list, op, rounds, baseline_template, interpret, md_path,
                  plot_path, json_path)
     _say_rejected(device)
 

@@ -1,0 +1,270 @@
+"""Attention dropout in the own Triton kernels (rendered with DROPOUT, autoflash/dropout.py), under
+TRITON_INTERPRET=1: a test-only kernel draws the same keep mask Z from the same (seed, offset) and
+index formula, and the forward's O and LSE and the backward's dQ, dK, dV are compared with a float64
+reference computed with that Z on ragged shapes (1, 37, 113; Nq != Nk), causal (both alignments) and
+not, GQA, every loop order and dQ mode the interpreter runs. Also: the same seed gives bitwise the
+same output, another seed another one, the keep fraction is 1 - p within a few standard deviations,
+and the plain renders (DROPOUT off) are byte for byte those of the branch's base."""
+
+import dataclasses
+import math
+import pathlib
+import shutil
+import subprocess
+import tarfile
+import io
+
+import jinja2
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from autoflash import codegen
+from autoflash.device import gpu_fingerprint
+from autoflash.dropout import DropoutArgs
+from autoflash.problem import Problem
+from autoflash.reference import rel_error
+from autoflash.rendering import render, source_path, variant_hash
+from autoflash.score_variant import PLAIN, ScoreVariant
+from autoflash.space import FAMILIES, load_space
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- Z, drawn apart
+@triton.jit
+def _draw_keep(Z, seed, offset, H, N_Q, N_K, p, BLOCK: tl.constexpr):
+    """keep[b, h, i, j] as the kernels draw it: Philox at offset + ((b * H + h) * N_Q + i) * N_K + j."""
+    bh = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    for start in range(0, N_K, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        idx = offset + (bh * N_Q + rows[:, None]) * N_K + cols[None, :]
+        keep = tl.rand(seed, idx) >= p
+        mask = (rows[:, None] < N_Q) & (cols[None, :] < N_K)
+        tl.store(Z + (bh * N_Q + rows[:, None]) * N_K + cols[None, :], keep.to(tl.int8), mask=mask)
+
+
+def keep_mask(args: DropoutArgs, b, h, n_q, n_k) -> torch.Tensor:
+    z = torch.empty((b, h, n_q, n_k), dtype=torch.int8)
+    _draw_keep[(b * h, triton.cdiv(n_q, 16))](z, args.seed, args.offset, h, n_q, n_k, args.p, BLOCK=16)
+    return z.bool()
+
+
+def reference_with(q, k, v, z, p, causal, offset, scale):
+    """O (B, H, Nq, Dv) and LSE of flash-attn's dropout with the keep mask z, in float64 (autograd)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ kk.transpose(-1, -2) * scale
+    if causal:
+        i = torch.arange(q.shape[2])[:, None]
+        j = torch.arange(k.shape[2])[None, :]
+        s = s.masked_fill(j > i + offset, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    prob = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # (rows that see no key: 0, as the kernels)
+    out = (prob * z.double() / (1.0 - p)) @ vv
+    return out, lse, (q, k, v)
+
+
+# --------------------------------------------------------------------------- kernels vs reference
+# (seqlen_q, seqlen_k, head_dim, heads_q, heads_kv, causal, alignment)
+CASES = [
+    (1, 37, 64, 2, 2, True, "bottom_right"),
+    (37, 37, 32, 4, 2, True, "top_left"),
+    (113, 37, 64, 2, 1, True, "bottom_right"),  # Nq > Nk: the first rows see no key
+    (37, 113, 32, 2, 2, False, "top_left"),
+    (113, 113, 16, 2, 1, False, "top_left"),
+    (37, 113, 48, 3, 1, True, "top_left"),
+]
+FORWARD_KNOBS = [dict(LOADS="pointer"), dict(LOADS="tma", MASK_MODE="single_loop"), dict(LOADS="block_ptr"),
+                 dict(LOADS="tma"), dict(LOADS="pointer", KV_ORDER="diagonal_first"), dict(LOADS="pointer", HEAD_SPLIT=True)]
+BACKWARD_KNOBS = [dict(DQ_MODE="separate", LOADS="pointer"), dict(DQ_MODE="atomic", LOADS="tma"),
+                  dict(DQ_MODE="separate", LOADS="tma", GQA_SPLIT=2), dict(DQ_MODE="atomic", LOADS="pointer"),
+                  dict(DQ_MODE="separate", LOADS="pointer", GRID_ORDER="heavy_first"), dict(DQ_MODE="separate", LOADS="tma")]
+P = 0.3
+
+
+def _device():
+    return dataclasses.replace(gpu_fingerprint(), cc_major=9, cc_minor=0)  # (TMA variants in the interpreter)
+
+
+def _variant(op, case, dtype, knobs):
+    nq, nk, d, hq, hkv, causal, _ = case
+    problem = Problem(op, dtype, d, causal, hq // hkv, 64, 64)
+    space = load_space(op)
+    want = {k: v for k, v in knobs.items() if k != "HEAD_SPLIT" or d & (d - 1)}
+    return space.nearest_valid(space.default_for(problem, _device()).replace(**want), problem, _device())
+
+
+def _inputs(case, dtype):
+    nq, nk, d, hq, hkv, causal, align = case
+    g = torch.Generator().manual_seed(nq * 1000 + nk + d)
+    dt = getattr(torch, dtype)
+
+    def rand(b, n, h, width):  # (B, N, H, D) storage seen as (B, H, N, D), as flash_attn_func passes it
+        return torch.randn(b, n, h, width, generator=g).to(dt).transpose(1, 2)
+    b = 2
+    q, k, v, do = rand(b, nq, hq, d), rand(b, nk, hkv, d), rand(b, nk, hkv, d), rand(b, nq, hq, d)
+    return q, k, v, do, (nk - nq if align == "bottom_right" else 0), 0.8 / math.sqrt(d)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"d{c[2]}-q{c[0]}-k{c[1]}-h{c[3]}/{c[4]}" for c in CASES])
+def test_forward_and_backward_match_float64_with_the_same_mask(i, dtype):
+    case = CASES[i]
+    nq, nk, d, hq, hkv, causal, _ = case
+    q, k, v, do, offset, scale = _inputs(case, dtype)
+    args = DropoutArgs(P, (1 << 40) + 7 * i, 1000 * i)
+    z = keep_mask(args, q.shape[0], hq, nq, nk)
+    out = torch.empty_like(q)
+    lse = torch.full(q.shape[:3], float("nan"))
+    forward = codegen.load(_variant("fwd", case, dtype, FORWARD_KNOBS[i]), dropout=True)
+    assert forward.unsupported(q, k, v, out) is None and not forward.supports_varlen
+    forward.forward(q, k, v, out, lse, scale, causal, offset, dropout=args)
+    ref_out, ref_lse, leaves = reference_with(q, k, v, z, P, causal, offset, scale)
+    tol = {"float32": 1e-5, "float16": 3e-3}[dtype]
+    assert rel_error(out, ref_out) <= tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=1e-5, rtol=1e-5)  # (of the undropped P)
+
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    backward = codegen.load(_variant("bwd", case, dtype, BACKWARD_KNOBS[i]), dropout=True)
+    assert backward.unsupported(q, k, v, do) is None
+    backward.backward(q, k, v, out, lse, do, dq, dk, dv, scale, causal, offset, dropout=args)
+    refs = torch.autograd.grad(ref_out, leaves, do.double())
+    for mine, ref in zip((dq, dk, dv), refs):
+        assert not torch.isnan(mine).any()
+        assert rel_error(mine, ref) <= {"float32": 1e-5, "float16": 6e-3}[dtype]
+
+
+def _run_forward(q, k, v, args, knobs=None, causal=False):
+    case = (q.shape[2], k.shape[2], q.shape[3], q.shape[1], k.shape[1], causal, "top_left")
+    kernel = codegen.load(_variant("fwd", case, "float32", knobs or {}), dropout=True)
+    out = torch.empty_like(q)
+    kernel.forward(q, k, v, out, torch.empty(q.shape[:3]), 0.125, causal, 0, dropout=args)
+    return out
+
+
+@pytest.mark.interpreter
+def test_same_seed_same_output_other_seed_other_output_any_tiles():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 45, 32, generator=g) for _ in range(3))
+    a = DropoutArgs(0.5, 1 << 41)
+    first, again = _run_forward(q, k, v, a), _run_forward(q, k, v, a)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, _run_forward(q, k, v, dataclasses.replace(a, seed=a.seed + 1)))
+    assert not torch.equal(first, _run_forward(q, k, v, a.shifted(1)))
+    # Other tiles and loop orders draw the same mask: the same output up to the sums' order.
+    other = _run_forward(q, k, v, a, dict(BLOCK_M=16, BLOCK_N=16, KV_ORDER="diagonal_first", MASK_MODE="single_loop"))
+    assert rel_error(other, first) <= 1e-5
+
+
+def test_keep_fraction_is_one_minus_p():
+    for p in (0.1, 0.5, 0.9):
+        z = keep_mask(DropoutArgs(p, 12345 + (1 << 40)), 2, 3, 200, 300) if not _interpreting() else \
+            keep_mask(DropoutArgs(p, 12345 + (1 << 40)), 1, 2, 100, 200)
+        n = z.numel()
+        sd = math.sqrt(n * p * (1 - p))
+        assert abs(z.sum().item() - n * (1 - p)) <= 5 * sd
+
+
+def _interpreting():
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.mark.interpreter
+def test_p_zero_keeps_everything_and_matches_the_plain_kernel():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 29, 16, generator=g) for _ in range(3))
+    dropped = _run_forward(q, k, v, DropoutArgs(0.0, 1 << 40), causal=True)
+    case = (29, 29, 16, 2, 2, True, "top_left")
+    plain = codegen.load(_variant("fwd", case, "float32", {}))
+    out = torch.empty_like(q)
+    plain.forward(q, k, v, out, torch.empty(q.shape[:3]), 0.125, True, 0)
+    assert torch.equal(dropped, out)
+    with pytest.raises(ValueError, match="dropout"):
+        plain.forward(q, k, v, out, torch.empty(q.shape[:3]), 0.125, True, 0, dropout=DropoutArgs(0.1, 1))
+    with pytest.raises(ValueError, match="dropout"):
+        codegen.load(_variant("fwd", case, "float32", {}), dropout=True).forward(
+            q, k, v, out, torch.empty(q.shape[:3]), 0.125, True, 0)
+
+
+def test_dropout_args_are_checked():
+    with pytest.raises(ValueError):
+        DropoutArgs(1.0, 1)
+    with pytest.raises(ValueError):
+        DropoutArgs(0.5, -1)
+    assert DropoutArgs(0.5, 3, 10).shifted(5).offset == 15
+
+
+# --------------------------------------------------------------------------- plain renders unchanged
+def _base_families(tmp_path):
+    """autoflash/families as the branch's base (the merge-base with main) had it, or None."""
+    try:
+        base = subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        blob = subprocess.run(["git", "archive", base, "autoflash/families"], cwd=ROOT, capture_output=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    return tmp_path / "autoflash" / "families"
+
+
+def _renders_to_compare():
+    """Per own family: the default variant with each knob at its first and at its last choice, plain,
+    with every attention variant (families that serve them) and with a value head dim of its own."""
+    from autoflash import families
+
+    device = _device()
+    for family, (where, _) in FAMILIES.items():
+        space = load_space(family)
+        if space.vendor:
+            continue
+        host = families.host_class(family)
+        base = space.default_for(Problem(space.op, "float16", 128, True, 1, 1024, 1024), device)
+        scores = [PLAIN] + ([ScoreVariant(True, True, True, True), ScoreVariant(window=True)]
+                            if host.serves_score_variants else [])
+        for knob, choices in space.knobs.items():
+            for choice in {choices[0], choices[-1]}:
+                variant = base.replace(**{knob: choice})
+                for score in scores:
+                    for value_dim in (False, True) if host.serves_value_dim else (False,):
+                        yield variant, score, value_dim
+
+
+def test_plain_renders_are_byte_identical_to_the_base(tmp_path):
+    old = _base_families(tmp_path)
+    if old is None:
+        pytest.skip("no git history (an installed package)")
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(old)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    count = 0
+    for variant, score, value_dim in _renders_to_compare():
+        space = load_space(variant.family)
+        checked = space.check_declared(variant.as_dict())
+        context = dict(**checked.as_dict(), FAMILY=checked.family, KNOBS_JSON=checked.json(), SCORE=score,
+                       VALUE_DIM=value_dim)
+        before = env.get_template(f"{variant.family}/{space.template}").render(**context)
+        assert render(variant, score=score, value_dim=value_dim) == before, (variant.short(), score, value_dim)
+        assert render(variant, score=score, value_dim=value_dim, dropout=False) == before
+        count += 1
+    assert count > 50
+
+
+def test_the_flag_renders_only_when_asked():
+    for op in ("fwd", "bwd"):
+        variant = load_space(op).default_for(Problem(op, "float16", 64, True, 1, 1024, 1024), _device())
+        plain, dropped = render(variant), render(variant, dropout=True)
+        assert "tl.rand" not in plain and "dropout_seed" not in plain and "tl.rand" in dropped
+        assert variant_hash(variant) != variant_hash(variant, dropout=True)
+        assert source_path(variant, dropout=True).stem.split("-")[-2] == "drop"
+    with pytest.raises(ValueError, match="dropout"):
+        codegen.load(load_space("triton_decode").default_for(Problem("decode", "float16", 64, True, 1, 1, 1024),
+                                                             _device()), dropout=True)

@@ -231,9 +231,10 @@ class Kernel:
             first += q_.shape[0]
 
     def backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int,
-                 score_args=None) -> None:
+                 score_args=None, dropout=None) -> None:
         """dq, dk, dv written in place from the forward's o and lse. score_args: as `forward`'s (the
-        sinks' gradient is not the kernel's: `autoflash.variant_training`)."""
+        sinks' gradient is not the kernel's: `autoflash.variant_training`). dropout: the forward's
+        `dropout.DropoutArgs` (the same seed and offset: the kernels draw its mask again)."""
         if self.uses_tma:
             ensure_allocator()
         slopes = score_args.alibi_slopes if score_args is not None and score_args.per_batch() else None

@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from autoflash.training import first_order
+
 
 @dataclasses.dataclass(frozen=True)
 class DropoutArgs:
@@ -53,3 +55,113 @@ def new_seed(device: torch.device | str | None = None) -> int:
 def draw(p: float, device=None) -> DropoutArgs:
     """The dropout of one call: p and a fresh seed (offset 0)."""
     return DropoutArgs(float(p), new_seed(device))
+
+
+# --------------------------------------------------------------------------- serving
+def kernels_for(q, k, v, o, causal: bool, op: str, deterministic: bool = False):
+    """The kernel of `op` for these (B, H, N, D) tensors with dropout: the variant the dispatcher
+    serves the plain problem with (its winner, else the default), rendered with DROPOUT; a winner of
+    a family without dropout (the Gluon forward) gives the op's default variant, and tensors the
+    variant cannot take (TMA alignment) its pointer-load twin, as the dispatcher's `_servable`."""
+    from autoflash import codegen, families
+    from autoflash.device import gpu_fingerprint
+    from autoflash.dispatch import get_dispatcher
+    from autoflash.space import default_variant, load_space
+
+    dispatcher = get_dispatcher()
+    plain = dispatcher.kernel_for(q, k, v, o, causal, op, own_only=True, deterministic=deterministic)
+    device = gpu_fingerprint(q.device.index if q.is_cuda else None)
+    problem = dispatcher.problem_for(q, k, causal, op, device.sm_count, head_dim_v=v.shape[-1])
+    candidates = [plain.variant, default_variant(op, problem, device)]
+    candidates = [c for c in candidates if not load_space(c.family).vendor
+                  and families.host_class(c.family).serves_dropout]
+    for variant in list(candidates):
+        space = load_space(variant.family)
+        if "LOADS" in space.knobs and "pointer" in space.knobs["LOADS"]:
+            no_ws = {"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in space.knobs else {}
+            candidates.append(space.nearest_valid(variant.replace(LOADS="pointer", **no_ws), problem, device))
+    why = f"no {op} family with dropout"
+    for variant in candidates:
+        kernel = codegen.load(variant, value_dim=v.shape[-1] != q.shape[-1], dropout=True)
+        if (why := kernel.unsupported(q, k, v, o)) is None:
+            return kernel
+    raise _Unservable(why)
+
+
+class _Unservable(Exception):
+    pass
+
+
+class DropoutAttention(torch.autograd.Function):
+    """Forward and backward of (B, H, N, D) views with attention dropout on the own kernels; the
+    forward's (seed, offset) is kept for the backward, which draws the same mask again."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args: DropoutArgs, sm_scale: float, causal: bool, offset: int, deterministic: bool):
+        from autoflash.validate import output_like
+
+        out = output_like(q, v)  # q's memory layout
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        kernels_for(q, k, v, out, causal, "fwd").forward(q, k, v, out, lse, sm_scale, causal, offset, dropout=args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (args, sm_scale, causal, offset, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @first_order  # (the backward kernels are not differentiable themselves)
+    def backward(ctx, grad_out, grad_lse):  # (the LSE is an output for the caller, not differentiable)
+        q, k, v, out, lse = ctx.saved_tensors
+        args, sm_scale, causal, offset, deterministic = ctx.args
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kernel = kernels_for(q, k, v, grad_out, causal, "bwd", deterministic)
+        kernel.backward(q, k, v, out, lse, grad_out, dq, dk, dv, sm_scale, causal, offset, dropout=args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def unsupported(q, k, v, p: float, scale, training: bool) -> str | None:
+    """Why the kernels cannot take this call with dropout `p`, or None. q, k, v: (B, H, N, D) views."""
+    from autoflash.validate import unsupported_reason
+
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile: dropout in the kernels has no registered op yet"
+    if not 0.0 < p < 1.0:
+        return f"dropout_p={p} (the kernels drop with 0 < dropout_p < 1)"
+    return unsupported_reason(q, k, v, None, 0.0, scale, training=training)
+
+
+def serve(q, k, v, p: float, scale, causal: bool, offset: int, training: bool, deterministic: bool = False,
+          args: DropoutArgs | None = None):
+    """((out (B, H, Nq, Dv) in q's memory layout, lse (B, H, Nq) float32), None) when the kernels compute
+    this call with dropout `p` (a fresh seed from torch's generator, or `args`), else (None, why).
+    offset: query i sits at key position i + offset (flash-attn: Nk - Nq). training: differentiable
+    in q, k, v through the backward kernels, which draw the forward's mask again."""
+    from autoflash.kernel_cache import KernelCacheError
+    from autoflash.space import InvalidVariant
+    from autoflash.validate import softmax_scale_or_default
+
+    why = unsupported(q, k, v, p, scale, training)
+    if why is not None:
+        return None, why
+    sm_scale = softmax_scale_or_default(scale, q.shape[-1])
+    args = args if args is not None else draw(p, q.device)
+    try:
+        if training:
+            kernels_for(q, k, v, q.new_empty((*q.shape[:3], v.shape[3])), causal, "bwd", deterministic)  # (refuses early)
+            return DropoutAttention.apply(q, k, v, args, sm_scale, causal, offset, deterministic), None
+        with torch.no_grad():
+            return DropoutAttention.forward(_NoCtx(), q, k, v, args, sm_scale, causal, offset, deterministic), None
+    except KernelCacheError as e:
+        return None, f"no usable kernel cache ({e})"
+    except (_Unservable, InvalidVariant) as e:
+        return None, f"dropout: {e}"
+
+
+class _NoCtx:
+    """A stand-in autograd context for a forward that needs no backward."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass

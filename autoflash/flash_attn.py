@@ -35,7 +35,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         q: (batch_size, seqlen_q, nheads, headdim)
         k: (batch_size, seqlen_k, nheads_k, headdim); nheads_k divides nheads (MQA/GQA)
         v: (batch_size, seqlen_k, nheads_k, headdim)
-        dropout_p: dropout on the attention probabilities (runs in torch: the kernels have none)
+        dropout_p: dropout on the attention probabilities, as flash-attn's (the LSE of the undropped
+            scores): the kernels draw the mask (a fresh seed from torch's generator per call, drawn again
+            in the backward: `autoflash.dropout`); with a window, softcap or ALiBi it runs in torch
         softmax_scale: default 1/sqrt(headdim)
         causal: causal mask aligned bottom-right, as flash-attn: query i sees keys
             j <= i + seqlen_k - seqlen_q; a query row that sees no key returns 0
@@ -165,7 +167,16 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
         fall_back(f"{', '.join(variants)} ({why})", to="torch (autoflash.eager)")
         return eager_attention(q, k, v, scale=sm_scale, causal=causal, offset=offset, window=window, softcap=softcap,
                                alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-    reason = unsupported_reason(q, k, v, None, dropout_p, scale, training=training)
+    if dropout_p > 0:  # (the kernels draw the mask: flash-attn's semantics, the LSE of the undropped scores)
+        from autoflash import dropout
+
+        served, why = dropout.serve(q, k, v, dropout_p, scale, causal, offset, training,
+                                    deterministic_backward(deterministic))
+        if served is not None:
+            return served if return_lse else (served[0], None)
+        reason = why
+    else:
+        reason = unsupported_reason(q, k, v, None, dropout_p, scale, training=training)
     if reason is None:
         try:
             if return_lse and not training:

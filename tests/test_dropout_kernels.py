@@ -268,3 +268,67 @@ def test_the_flag_renders_only_when_asked():
     with pytest.raises(ValueError, match="dropout"):
         codegen.load(load_space("triton_decode").default_for(Problem("decode", "float16", 64, True, 1, 1, 1024),
                                                              _device()), dropout=True)
+
+
+# --------------------------------------------------------------------------- the API
+def _strict(monkeypatch):
+    from autoflash import api
+
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    api.reset()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("form", ["sdpa", "flash_attn"])
+def test_the_drop_ins_serve_dropout_on_the_kernels_with_its_gradient(form, monkeypatch):
+    """Strict mode: no fallback. The output and gradients are those of the float64 reference with the
+    kernels' own mask, drawn again from the seed the call took from torch's generator."""
+    import autoflash
+    from autoflash import dropout
+
+    _strict(monkeypatch)
+    seeds = []
+    real_draw = dropout.draw
+    monkeypatch.setattr(dropout, "draw", lambda p, device=None: seeds.append(real_draw(p, device)) or seeds[-1])
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, nq, nk, d = 2, 4, 2, 37, 45, 32
+    q = torch.randn(b, nq, hq, d, generator=g).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, nk, hkv, d, generator=g).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, nk, hkv, d, generator=g).transpose(1, 2).requires_grad_()
+    grad = torch.randn(b, hq, nq, d, generator=g)
+    p = 0.25
+    if form == "sdpa":
+        out = autoflash.attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
+        offset = 0
+    else:
+        out = autoflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p,
+                                        causal=True).transpose(1, 2)
+        offset = nk - nq
+    assert len(seeds) == 1
+    z = keep_mask(seeds[0], b, hq, nq, nk)
+    ref, _, leaves = reference_with(q, k, v, z, p, True, offset, d ** -0.5)
+    assert rel_error(out, ref) <= 1e-5
+    for mine, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, leaves, grad.double())):
+        assert rel_error(mine, want) <= 1e-5
+
+
+@pytest.mark.interpreter
+def test_a_fresh_seed_per_call_from_torchs_generator(monkeypatch):
+    import autoflash
+
+    _strict(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 33, 16, generator=g) for _ in range(3))
+    torch.manual_seed(123)
+    first, second = autoflash.attention(q, k, v, dropout_p=0.5), autoflash.attention(q, k, v, dropout_p=0.5)
+    assert not torch.equal(first, second)  # (a new mask per call)
+    torch.manual_seed(123)
+    assert torch.equal(autoflash.attention(q, k, v, dropout_p=0.5), first)  # (torch's seed repeats the run)
+    assert torch.equal(autoflash.attention(q, k, v), autoflash.attention(q, k, v, dropout_p=0.0))  # (p = 0: plain)
+
+
+def test_what_the_kernels_do_not_take_still_falls_back():
+    from autoflash import dropout
+
+    q = torch.zeros(1, 2, 8, 16)
+    assert "0 < dropout_p < 1" in dropout.unsupported(q, q, q, 1.0, None, False)

@@ -4,9 +4,9 @@ positionally), and `flash_attn_heads_first` for layers that hold (B, H, N, D) vi
 
 Semantics are flash-attn's: causal and windows aligned bottom-right (query i sits at key position
 i + seqlen_k - seqlen_q), GQA/MQA by head groups. What the kernels compute runs on them: plain attention
-always, windows, softcaps and ALiBi, with autograd too (`autoflash.variant_forward`); the rest (dropout
-with a variant, ...) runs in torch (`autoflash.eager`, or torch SDPA for plain dropout) with one `FallbackWarning` per
-reason, never without the argument.
+always, windows, softcaps and ALiBi, with autograd too (`autoflash.variant_forward`), dropout with
+0 < p < 1 (`autoflash.dropout`); the rest (dropout with a variant, p = 1, ...) runs in torch (`autoflash.eager`,
+or torch SDPA) with one `FallbackWarning` per reason, never without the argument.
 """
 
 from __future__ import annotations

@@ -332,3 +332,35 @@ def test_what_the_kernels_do_not_take_still_falls_back():
 
     q = torch.zeros(1, 2, 8, 16)
     assert "0 < dropout_p < 1" in dropout.unsupported(q, q, q, 1.0, None, False)
+
+
+@pytest.mark.interpreter
+def test_packed_sequences_drop_sequence_by_sequence_on_the_kernels(monkeypatch):
+    """flash_attn_varlen_func with dropout: each sequence through the dense dropout kernels, with a seed
+    of its own (strict mode: no fallback); each sequence's output and gradients match the reference."""
+    import autoflash
+    from autoflash import dropout
+
+    _strict(monkeypatch)
+    seeds = []
+    real_draw = dropout.draw
+    monkeypatch.setattr(dropout, "draw", lambda p, device=None: seeds.append(real_draw(p, device)) or seeds[-1])
+    g = torch.Generator().manual_seed(5)
+    lengths_q, lengths_k, h, d, p = [5, 19], [7, 19], 2, 16, 0.4
+    q = torch.randn(sum(lengths_q), h, d, generator=g).requires_grad_()
+    k = torch.randn(sum(lengths_k), h, d, generator=g).requires_grad_()
+    v = torch.randn(sum(lengths_k), h, d, generator=g).requires_grad_()
+    cu_q = torch.tensor([0, 5, 24], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 26], dtype=torch.int32)
+    out = autoflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 19, p, causal=True)
+    assert len(seeds) == 2
+    out.sum().backward()
+    for i, args in enumerate(seeds):
+        q0, q1, k0, k1 = (int(c) for c in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
+        qs, ks, vs = (t.detach()[a:b].transpose(0, 1)[None] for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        z = keep_mask(args, 1, h, q1 - q0, k1 - k0)
+        ref, _, leaves = reference_with(qs, ks, vs, z, p, True, (k1 - k0) - (q1 - q0), d ** -0.5)
+        assert rel_error(out.detach()[q0:q1], ref[0].transpose(0, 1)) <= 1e-5
+        grads = torch.autograd.grad(ref.sum(), leaves)
+        for mine, want, a, b in zip((q.grad, k.grad, v.grad), grads, (q0, k0, k0), (q1, k1, k1)):
+            assert rel_error(mine[a:b], want[0].transpose(0, 1)) <= 1e-5

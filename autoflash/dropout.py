@@ -2,8 +2,8 @@
 as flash-attn 2's `dropout_p`: the softmax of the undropped scores (its log-sum-exp is the plain one),
 then each probability kept with probability 1 - p and scaled by 1 / (1 - p): O = (P * Z / (1 - p)) V.
 
-The keep mask Z is never stored. Each call draws a fresh seed from torch's generator (the default
-CUDA generator for CUDA tensors, the CPU one otherwise: `torch.manual_seed` makes a run repeatable);
+The keep mask Z is never stored. Each call draws a fresh seed from torch's default (CPU) generator
+(`torch.manual_seed` makes a run repeatable; a CUDA graph capture would fix it: refused there);
 the kernels draw element (b, h, i, j) of Z from Philox at (seed, offset + ((b * H + h) * N_Q + i) * N_K
 + j), so the backward, given the same (seed, offset), regenerates the same Z whatever its tiles
 (tests/test_dropout_kernels.py draws the same Z as a tensor with a kernel of its own).
@@ -41,15 +41,11 @@ class DropoutArgs:
 
 
 def new_seed(device: torch.device | str | None = None) -> int:
-    """A fresh seed from torch's generator for `device` (its default CUDA generator for a CUDA device):
-    the same `torch.manual_seed` gives the same dropout. A 62-bit value at or above 2**32, so the
-    kernels always see a 64-bit integer (a smaller one would build a kernel of its own)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda":
-        value = torch.empty((), dtype=torch.int64, device=device).random_(1 << 32, 1 << 62).item()
-    else:
-        value = torch.randint(1 << 32, 1 << 62, (), dtype=torch.int64).item()
-    return int(value)
+    """A fresh seed from torch's default CPU generator, whatever the tensors' device: `torch.manual_seed`
+    repeats a run, and a CUDA call does not wait for the device to read a seed back (a draw on the CUDA
+    generator would need `.item()`, a synchronization per call). A 62-bit value at or above 2**32, so
+    the kernels always see a 64-bit integer (a smaller one would build a kernel of its own)."""
+    return int(torch.randint(1 << 32, 1 << 62, (), dtype=torch.int64).item())
 
 
 def draw(p: float, device=None) -> DropoutArgs:
@@ -127,6 +123,8 @@ def unsupported(q, k, v, p: float, scale, training: bool) -> str | None:
         return "traced by torch.compile: dropout in the kernels has no registered op yet"
     if not 0.0 < p < 1.0:
         return f"dropout_p={p} (the kernels drop with 0 < dropout_p < 1)"
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "dropout under CUDA graph capture (the seed drawn on the host would be fixed in the graph)"
     return unsupported_reason(q, k, v, None, 0.0, scale, training=training)
 
 

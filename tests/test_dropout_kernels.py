@@ -364,3 +364,21 @@ def test_packed_sequences_drop_sequence_by_sequence_on_the_kernels(monkeypatch):
         grads = torch.autograd.grad(ref.sum(), leaves)
         for mine, want, a, b in zip((q.grad, k.grad, v.grad), grads, (q0, k0, k0), (q1, k1, k1)):
             assert rel_error(mine[a:b], want[0].transpose(0, 1)) <= 1e-5
+
+
+@pytest.mark.interpreter
+def test_counters_past_32_bits_and_batch_chunks_draw_the_whole_calls_mask(monkeypatch):
+    """The counter is int64 (B x H x Nq x Nk passes 2**32 at long sequences): an offset past 2**32 draws
+    another mask than its low 32 bits would, and the kernel agrees with the test's draw there. A call
+    launched in batch chunks (more programs than a grid axis holds) continues the counters chunk after
+    chunk: the same output as one launch."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 2, 21, 16, generator=g) for _ in range(3))
+    high = DropoutArgs(0.5, 1 << 40, (1 << 35) + 17)
+    assert not torch.equal(keep_mask(high, 3, 2, 21, 21), keep_mask(dataclasses.replace(high, offset=17), 3, 2, 21, 21))
+    ref, _, _ = reference_with(q, k, v, keep_mask(high, 3, 2, 21, 21), 0.5, False, 0, 0.125)
+    whole = _run_forward(q, k, v, high)
+    assert rel_error(whole, ref) <= 1e-5
+    monkeypatch.setattr(codegen, "GRID_AXIS_MAX", 2)  # (2 heads: one batch entry per launch)
+    assert len(codegen.batch_chunks(3, 2, q)) == 3
+    assert torch.equal(_run_forward(q, k, v, high), whole)

@@ -59,8 +59,8 @@ def reference_with(q, k, v, z, p, causal, offset, scale):
     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ kk.transpose(-1, -2) * scale
     if causal:
-        i = torch.arange(q.shape[2])[:, None]
-        j = torch.arange(k.shape[2])[None, :]
+        i = torch.arange(q.shape[2], device=q.device)[:, None]
+        j = torch.arange(k.shape[2], device=q.device)[None, :]
         s = s.masked_fill(j > i + offset, float("-inf"))
     lse = torch.logsumexp(s, -1)
     prob = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # (rows that see no key: 0, as the kernels)
@@ -382,3 +382,102 @@ def test_counters_past_32_bits_and_batch_chunks_draw_the_whole_calls_mask(monkey
     monkeypatch.setattr(codegen, "GRID_AXIS_MAX", 2)  # (2 heads: one batch entry per launch)
     assert len(codegen.batch_chunks(3, 2, q)) == 3
     assert torch.equal(_run_forward(q, k, v, high), whole)
+
+
+@pytest.mark.interpreter
+def test_a_winner_without_dropout_is_served_by_the_default_family_and_no_warp_specialization(monkeypatch):
+    """A Gluon forward winner (no dropout there) gives the Triton forward's default variant; a
+    warp-specialized Triton winner its twin without warp specialization (not yet compiled with Philox)."""
+    from autoflash import dropout
+    from autoflash.dispatch import get_dispatcher
+
+    q = torch.zeros(1, 2, 64, 64)
+    problem = Problem("fwd", "float32", 64, False, 1, 64, 64)
+    gluon = load_space("gluon_sm90_fwd").default_for(problem, _device())
+    ws = load_space("fwd").default_for(problem, _device()).replace(LOADS="tma", WARP_SPECIALIZE=True)
+    for winner in (gluon, ws):
+        monkeypatch.setattr(get_dispatcher(), "kernel_for",
+                            lambda *a, _w=winner, **kw: type("K", (), {"variant": _w})())
+        kernel = dropout.kernels_for(q, q, q, q, False, "fwd")
+        assert kernel.family == "triton_fwd" and kernel.dropout and not kernel.variant["WARP_SPECIALIZE"]
+
+
+# --------------------------------------------------------------------------- the GPU compiler
+def test_dropout_kernels_compile_for_sm90(tmp_path):
+    """The interpreter cannot see a kernel the GPU compiler refuses: the dropout kernels compile for
+    Hopper on any machine (forward: pointer, TMA, TMA warp-specialized; backward: every dQ mode, TMA
+    loads, a GQA split), bf16 d128 causal, in a clean child process (helpers.run_in_clean_process)."""
+    from helpers import run_in_clean_process
+
+    done = run_in_clean_process("from tests.test_dropout_kernels import compile_for_sm90; compile_for_sm90()", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.splitlines()) == 7
+
+
+def compile_for_sm90() -> None:
+    """(Run by the test above in a clean process.) Capture each dropout kernel's launch and compile it."""
+    from helpers import capture_launches, compile_for_sm90 as compile_one
+
+    q = torch.empty(2, 8, 333, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 517, 128, dtype=torch.bfloat16)
+    args = DropoutArgs(0.1, 1 << 40, 0)
+    fwd = load_space("triton_fwd")
+    base = {**{n: c[0] for n, c in fwd.knobs.items()}, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    for knobs in (dict(LOADS="pointer"), dict(LOADS="tma"), dict(LOADS="tma", WARP_SPECIALIZE=True)):
+        kernel = codegen.load(fwd.check_declared({**base, **knobs}), dropout=True)
+        launches = capture_launches([kernel.module._attn_fwd])
+        kernel.host.launch(q=q, k=k, v=k, o=torch.empty_like(q), lse=torch.empty(2, 8, 333), sm_scale=0.1, causal=True,
+                           causal_offset=184, compile_only=True, dropout_args=args)
+        for jit, a, kw in launches:
+            defaults = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}
+            compile_one(jit, a, {**defaults, **kw})
+        print("fwd", knobs)
+    bwd = load_space("triton_bwd")
+    base = {**{n: c[0] for n, c in bwd.knobs.items()}, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+            "num_warps": 4, "num_stages": 2}
+    for knobs in (dict(DQ_MODE="separate", LOADS="pointer"), dict(DQ_MODE="separate", LOADS="tma", GQA_SPLIT=2),
+                  dict(DQ_MODE="atomic", LOADS="pointer"), dict(DQ_MODE="tma_reduce", LOADS="tma")):
+        kernel = codegen.load(bwd.check_declared({**base, **knobs}), dropout=True)
+        m = kernel.module
+        launches = capture_launches([m._bwd_dkdv, m._bwd_dq, m._bwd_preprocess]
+                                    + ([m._bwd_gqa_reduce] if knobs.get("GQA_SPLIT") else []))
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        kernel.host.launch(q=q, k=k, v=k, o=torch.empty_like(q), lse=torch.empty(2, 8, 333), do=torch.empty_like(q),
+                           dq=dq, dk=dk, dv=torch.empty_like(k), sm_scale=0.1, causal=True, causal_offset=184,
+                           compile_only=True, dropout_args=args)
+        for jit, a, kw in launches:
+            if jit in (m._bwd_dkdv, m._bwd_dq):
+                compile_one(jit, a, kw)
+        print("bwd", knobs)
+
+
+# --------------------------------------------------------------------------- on the GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_dropout_on_the_gpu_against_float64_with_the_same_mask(causal, monkeypatch):
+    """The drop-in served by the kernels (AUTOFLASH_STRICT=1) in bf16 on ragged lengths, GQA: O and the
+    gradients within a bf16 bound of the float64 reference that uses the kernels' own mask, drawn
+    again by the test's kernel from the seed the call took."""
+    import autoflash
+    from autoflash import dropout
+
+    _strict(monkeypatch)
+    seeds = []
+    real_draw = dropout.draw
+    monkeypatch.setattr(dropout, "draw", lambda p, device=None: seeds.append(real_draw(p, device)) or seeds[-1])
+    g = torch.Generator("cuda").manual_seed(7)
+    b, hq, hkv, nq, nk, d, p = 2, 8, 2, 1023, 1111, 128, 0.1
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = rand(b, hq, nq, d), rand(b, hkv, nk, d), rand(b, hkv, nk, d)
+    grad = torch.randn(b, hq, nq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = autoflash.attention(q, k, v, dropout_p=p, is_causal=causal, enable_gqa=True)
+    z = torch.empty((b, hq, nq, nk), dtype=torch.int8, device="cuda")
+    _draw_keep[(b * hq, triton.cdiv(nq, 16))](z, seeds[0].seed, seeds[0].offset, hq, nq, nk, p, BLOCK=16)
+    keep = z.bool()
+    assert abs(keep.float().mean().item() - (1 - p)) < 1e-3
+    ref, _, leaves = reference_with(q, k, v, keep, p, causal, 0, d ** -0.5)
+    assert rel_error(out, ref) <= 2e-2
+    for mine, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, leaves, grad.double())):
+        assert rel_error(mine, want) <= 3e-2

@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from autoflash.score_variant import PLAIN, ScoreArgs, ScoreVariant
 from autoflash.training import first_order
 
 
@@ -54,7 +55,7 @@ def draw(p: float, device=None) -> DropoutArgs:
 
 
 # --------------------------------------------------------------------------- serving
-def kernels_for(q, k, v, o, causal: bool, op: str, deterministic: bool = False):
+def kernels_for(q, k, v, o, causal: bool, op: str, deterministic: bool = False, score: ScoreVariant = PLAIN):
     """The kernel of `op` for these (B, H, N, D) tensors with dropout: the variant the dispatcher
     serves the plain problem with (its winner, else the default), rendered with DROPOUT; a winner of
     a family without dropout (the Gluon forward) gives the op's default variant, and tensors the
@@ -65,9 +66,9 @@ def kernels_for(q, k, v, o, causal: bool, op: str, deterministic: bool = False):
     from autoflash.space import default_variant, load_space
 
     dispatcher = get_dispatcher()
-    plain = dispatcher.kernel_for(q, k, v, o, causal, op, own_only=True, deterministic=deterministic)
+    plain = dispatcher.kernel_for(q, k, v, o, causal, op, own_only=True, deterministic=deterministic, score=score)
     device = gpu_fingerprint(q.device.index if q.is_cuda else None)
-    problem = dispatcher.problem_for(q, k, causal, op, device.sm_count, head_dim_v=v.shape[-1])
+    problem = dispatcher.problem_for(q, k, causal, op, device.sm_count, score, head_dim_v=v.shape[-1])
     candidates = [plain.variant, default_variant(op, problem, device)]
     candidates = [c for c in candidates if not load_space(c.family).vendor
                   and families.host_class(c.family).serves_dropout]
@@ -82,7 +83,7 @@ def kernels_for(q, k, v, o, causal: bool, op: str, deterministic: bool = False):
             candidates.append(space.nearest_valid(variant.replace(LOADS="pointer", **no_ws), problem, device))
     why = f"no {op} family with dropout"
     for variant in candidates:
-        kernel = codegen.load(variant, value_dim=v.shape[-1] != q.shape[-1], dropout=True)
+        kernel = codegen.load(variant, score=score, value_dim=v.shape[-1] != q.shape[-1], dropout=True)
         if (why := kernel.unsupported(q, k, v, o)) is None:
             return kernel
     raise _Unservable(why)
@@ -97,14 +98,17 @@ class DropoutAttention(torch.autograd.Function):
     forward's (seed, offset) is kept for the backward, which draws the same mask again."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args: DropoutArgs, sm_scale: float, causal: bool, offset: int, deterministic: bool):
+    def forward(ctx, q, k, v, args: DropoutArgs, sm_scale: float, causal: bool, offset: int, deterministic: bool,
+                score: ScoreArgs | None = None):
         from autoflash.validate import output_like
 
         out = output_like(q, v)  # q's memory layout
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        kernels_for(q, k, v, out, causal, "fwd").forward(q, k, v, out, lse, sm_scale, causal, offset, dropout=args)
+        variant = score.variant if score is not None else PLAIN
+        kernels_for(q, k, v, out, causal, "fwd", score=variant).forward(q, k, v, out, lse, sm_scale, causal, offset,
+                                                                        score_args=score, dropout=args)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (args, sm_scale, causal, offset, deterministic)
+        ctx.args = (args, sm_scale, causal, offset, deterministic, score)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -112,15 +116,16 @@ class DropoutAttention(torch.autograd.Function):
     @first_order  # (the backward kernels are not differentiable themselves)
     def backward(ctx, grad_out, grad_lse):  # (the LSE is an output for the caller, not differentiable)
         q, k, v, out, lse = ctx.saved_tensors
-        args, sm_scale, causal, offset, deterministic = ctx.args
+        args, sm_scale, causal, offset, deterministic, score = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kernel = kernels_for(q, k, v, grad_out, causal, "bwd", deterministic)
-        kernel.backward(q, k, v, out, lse, grad_out, dq, dk, dv, sm_scale, causal, offset, dropout=args)
-        return dq, dk, dv, None, None, None, None, None
+        kernel = kernels_for(q, k, v, grad_out, causal, "bwd", deterministic, score.variant if score is not None else PLAIN)
+        kernel.backward(q, k, v, out, lse, grad_out, dq, dk, dv, sm_scale, causal, offset, score_args=score, dropout=args)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def unsupported(q, k, v, p: float, scale, training: bool) -> str | None:
-    """Why the kernels cannot take this call with dropout `p`, or None. q, k, v: (B, H, N, D) views."""
+def unsupported(q, k, v, p: float, scale, training: bool, score: ScoreArgs | None = None) -> str | None:
+    """Why the kernels cannot take this call with dropout `p` (and the attention variants `score`: a
+    window, softcap or ALiBi; sinks stay in torch), or None. q, k, v: (B, H, N, D) views."""
     from autoflash.validate import unsupported_reason
 
     if torch.compiler.is_compiling():
@@ -129,30 +134,38 @@ def unsupported(q, k, v, p: float, scale, training: bool) -> str | None:
         return f"dropout_p={p} (the kernels drop with 0 < dropout_p < 1)"
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return "dropout under CUDA graph capture (the seed drawn on the host would be fixed in the graph)"
+    if score is not None and not score.variant.plain:
+        from autoflash import variant_forward
+
+        if score.sinks is not None:
+            return "dropout with attention sinks (flash-attn has no such call: what the sink's share drops is open)"
+        return variant_forward.unsupported(q, k, v, 0.0, scale, score, training)
     return unsupported_reason(q, k, v, None, 0.0, scale, training=training)
 
 
 def serve(q, k, v, p: float, scale, causal: bool, offset: int, training: bool, deterministic: bool = False,
-          args: DropoutArgs | None = None):
+          args: DropoutArgs | None = None, score: ScoreArgs | None = None):
     """((out (B, H, Nq, Dv) in q's memory layout, lse (B, H, Nq) float32), None) when the kernels compute
     this call with dropout `p` (a fresh seed from torch's generator, or `args`), else (None, why).
     offset: query i sits at key position i + offset (flash-attn: Nk - Nq). training: differentiable
-    in q, k, v through the backward kernels, which draw the forward's mask again."""
+    in q, k, v through the backward kernels, which draw the forward's mask again. score: the call's
+    window, softcap or ALiBi (`score_variant.ScoreArgs`; None: plain), rendered in with the dropout."""
     from autoflash.kernel_cache import KernelCacheError
     from autoflash.space import InvalidVariant
     from autoflash.validate import softmax_scale_or_default
 
-    why = unsupported(q, k, v, p, scale, training)
+    why = unsupported(q, k, v, p, scale, training, score)
     if why is not None:
         return None, why
     sm_scale = softmax_scale_or_default(scale, q.shape[-1])
     args = args if args is not None else draw(p, q.device)
     try:
         if training:
-            kernels_for(q, k, v, q.new_empty((*q.shape[:3], v.shape[3])), causal, "bwd", deterministic)  # (refuses early)
-            return DropoutAttention.apply(q, k, v, args, sm_scale, causal, offset, deterministic), None
+            kernels_for(q, k, v, q.new_empty((*q.shape[:3], v.shape[3])), causal, "bwd", deterministic,
+                        score.variant if score is not None else PLAIN)  # (refuses early)
+            return DropoutAttention.apply(q, k, v, args, sm_scale, causal, offset, deterministic, score), None
         with torch.no_grad():
-            return DropoutAttention.forward(_NoCtx(), q, k, v, args, sm_scale, causal, offset, deterministic), None
+            return DropoutAttention.forward(_NoCtx(), q, k, v, args, sm_scale, causal, offset, deterministic, score), None
     except KernelCacheError as e:
         return None, f"no usable kernel cache ({e})"
     except (_Unservable, InvalidVariant) as e:

@@ -481,3 +481,46 @@ def test_bf16_dropout_on_the_gpu_against_float64_with_the_same_mask(causal, monk
     assert rel_error(out, ref) <= 2e-2
     for mine, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, leaves, grad.double())):
         assert rel_error(mine, want) <= 3e-2
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", ["window", "softcap+alibi", "all three, alibi per batch"])
+def test_flash_attn_func_drops_with_a_window_softcap_or_alibi_on_the_kernels(name, monkeypatch):
+    """Dropout with the attention variants: the kernels rendered with both (strict mode: no fallback),
+    against autoflash.eager in float64 with the call's own mask in place of torch's dropout."""
+    import autoflash
+    from autoflash import dropout, eager
+
+    _strict(monkeypatch)
+    seeds = []
+    real_draw = dropout.draw
+    monkeypatch.setattr(dropout, "draw", lambda p, device=None: seeds.append(real_draw(p, device)) or seeds[-1])
+    g = torch.Generator().manual_seed(8)
+    b, hq, hkv, nq, nk, d, p = 2, 4, 2, 37, 53, 16, 0.3
+    values = {"window": dict(window_size=(9, 4)), "softcap+alibi": dict(softcap=3.0, alibi_slopes=torch.rand(hq, generator=g)),
+              "all three, alibi per batch": dict(window_size=(20, -1), softcap=2.0,
+                                                 alibi_slopes=torch.rand(b, hq, generator=g))}[name]
+    q = torch.randn(b, nq, hq, d, generator=g).requires_grad_()
+    k = torch.randn(b, nk, hkv, d, generator=g).requires_grad_()
+    v = torch.randn(b, nk, hkv, d, generator=g).requires_grad_()
+    out = autoflash.flash_attn_func(q, k, v, p, causal=True, **values)
+    assert len(seeds) == 1
+    z = keep_mask(seeds[0], b, hq, nq, nk).double()
+
+    class _Dropped:  # (eager's torch.nn.functional, its dropout the kernels' mask)
+        def __getattr__(self, attr):
+            return getattr(torch.nn.functional, attr)
+
+        @staticmethod
+        def dropout(prob, rate):
+            return prob * z / (1 - rate)
+    monkeypatch.setattr(eager, "F", _Dropped())
+    leaves = [t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    ref, _ = eager.eager_attention(*leaves, scale=d ** -0.5, causal=True, offset=nk - nq,
+                                   window=values.get("window_size", (-1, -1)), softcap=values.get("softcap", 0.0),
+                                   alibi_slopes=values.get("alibi_slopes"), dropout_p=p)
+    assert rel_error(out, ref.transpose(1, 2)) <= 1e-5
+    grad = torch.randn(out.shape, generator=g)
+    for mine, want in zip(torch.autograd.grad(out, (q, k, v), grad),
+                          torch.autograd.grad(ref, leaves, grad.double().transpose(1, 2))):
+        assert rel_error(mine, want.transpose(1, 2)) <= 1e-5

@@ -406,12 +406,12 @@ def test_a_winner_without_dropout_is_served_by_the_default_family_and_no_warp_sp
 def test_dropout_kernels_compile_for_sm90(tmp_path):
     """The interpreter cannot see a kernel the GPU compiler refuses: the dropout kernels compile for
     Hopper on any machine (forward: pointer, TMA, TMA warp-specialized; backward: every dQ mode, TMA
-    loads, a GQA split), bf16 d128 causal, in a clean child process (helpers.run_in_clean_process)."""
+    loads, a GQA split; both with window + softcap + ALiBi too), bf16 d128 causal, in a clean child process (helpers.run_in_clean_process)."""
     from helpers import run_in_clean_process
 
     done = run_in_clean_process("from tests.test_dropout_kernels import compile_for_sm90; compile_for_sm90()", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(done.stdout.splitlines()) == 7
+    assert len(done.stdout.splitlines()) == 9
 
 
 def compile_for_sm90() -> None:
@@ -423,11 +423,16 @@ def compile_for_sm90() -> None:
     args = DropoutArgs(0.1, 1 << 40, 0)
     fwd = load_space("triton_fwd")
     base = {**{n: c[0] for n, c in fwd.knobs.items()}, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    for knobs in (dict(LOADS="pointer"), dict(LOADS="tma"), dict(LOADS="tma", WARP_SPECIALIZE=True)):
-        kernel = codegen.load(fwd.check_declared({**base, **knobs}), dropout=True)
+    from autoflash.score_variant import ScoreArgs
+
+    variants = ScoreArgs((63, -1), 30.0, torch.empty(2, 8))  # (window, softcap, ALiBi per batch)
+    for knobs, score in ((dict(LOADS="pointer"), None), (dict(LOADS="tma"), None),
+                         (dict(LOADS="tma", WARP_SPECIALIZE=True), None), (dict(LOADS="tma"), variants)):
+        kernel = codegen.load(fwd.check_declared({**base, **knobs}), score=score.variant if score else PLAIN,
+                              dropout=True)
         launches = capture_launches([kernel.module._attn_fwd])
         kernel.host.launch(q=q, k=k, v=k, o=torch.empty_like(q), lse=torch.empty(2, 8, 333), sm_scale=0.1, causal=True,
-                           causal_offset=184, compile_only=True, dropout_args=args)
+                           causal_offset=184, compile_only=True, dropout_args=args, score_args=score)
         for jit, a, kw in launches:
             defaults = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}
             compile_one(jit, a, {**defaults, **kw})
@@ -435,16 +440,19 @@ def compile_for_sm90() -> None:
     bwd = load_space("triton_bwd")
     base = {**{n: c[0] for n, c in bwd.knobs.items()}, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
             "num_warps": 4, "num_stages": 2}
-    for knobs in (dict(DQ_MODE="separate", LOADS="pointer"), dict(DQ_MODE="separate", LOADS="tma", GQA_SPLIT=2),
-                  dict(DQ_MODE="atomic", LOADS="pointer"), dict(DQ_MODE="tma_reduce", LOADS="tma")):
-        kernel = codegen.load(bwd.check_declared({**base, **knobs}), dropout=True)
+    for knobs, score in ((dict(DQ_MODE="separate", LOADS="pointer"), None),
+                         (dict(DQ_MODE="separate", LOADS="tma", GQA_SPLIT=2), None),
+                         (dict(DQ_MODE="atomic", LOADS="pointer"), None), (dict(DQ_MODE="tma_reduce", LOADS="tma"), None),
+                         (dict(DQ_MODE="separate", LOADS="tma"), variants)):
+        kernel = codegen.load(bwd.check_declared({**base, **knobs}), score=score.variant if score else PLAIN,
+                              dropout=True)
         m = kernel.module
         launches = capture_launches([m._bwd_dkdv, m._bwd_dq, m._bwd_preprocess]
                                     + ([m._bwd_gqa_reduce] if knobs.get("GQA_SPLIT") else []))
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         kernel.host.launch(q=q, k=k, v=k, o=torch.empty_like(q), lse=torch.empty(2, 8, 333), do=torch.empty_like(q),
                            dq=dq, dk=dk, dv=torch.empty_like(k), sm_scale=0.1, causal=True, causal_offset=184,
-                           compile_only=True, dropout_args=args)
+                           compile_only=True, dropout_args=args, score_args=score)
         for jit, a, kw in launches:
             if jit in (m._bwd_dkdv, m._bwd_dq):
                 compile_one(jit, a, kw)

@@ -310,10 +310,11 @@ def test_flash_attn_func_serves_forward_only_variants_on_the_kernel(name, strict
 
 
 @pytest.mark.interpreter
-def test_dropout_with_a_variant_stays_in_torch(strict, fresh):
+def test_dropout_the_kernels_do_not_take_with_a_variant_stays_in_torch(strict, fresh):
+    # (0 < dropout_p < 1 with a window, softcap or ALiBi runs on the kernels: tests/test_dropout_kernels.py)
     q, k, v = _inputs(9, 9, 16, torch.float32, seed=2)
     with pytest.raises(FallbackError, match="softcap"):
-        _flash(q.requires_grad_(), k, v, softcap=2.0, dropout_p=0.1)
+        _flash(q.requires_grad_(), k, v, softcap=2.0, dropout_p=1.0)
 
 
 @pytest.mark.interpreter

@@ -1,5 +1,5 @@
 """Device functions several Triton families' kernels call, each written once. The rendered kernel
-modules import this module (`from autoflash.families._shared import triton_device`) and call
+modules import it through `device_modules` (once per interpreter setting) and call
 `triton_device.<name>(...)`: Triton inlines a called @triton.jit function, and each function here is
 the statements the kernels had inline before, in the same order, so the kernels compute the same
 values. This file is part of every family's template hash (`families.hashed_source`) and of

@@ -185,7 +185,7 @@ PLAIN_RENDERINGS = [
      "4d278930af8b4748"),
     ("triton_bwd", {"BLOCK_M1": 64, "BLOCK_M2": 64, "BLOCK_N1": 64, "BLOCK_N2": 64, "DKDV_KERNEL": "triton",
                     "DQ_MODE": "separate", "DQ_OVERLAP": "serial", "GQA_SPLIT": 1, "GRID_ORDER": "kv_major",
-                    "LOADS": "tma", "num_stages": 2, "num_warps": 4}, "4f7f2b76a02d131b"),
+                    "LOADS": "tma", "num_stages": 2, "num_warps": 4}, "05e7d769a475354c"),
 ]
 
 

@@ -1,5 +1,6 @@
 """Render one copy of each kernel family's module with every optional part on, to measure the
-templates as a kernel engineer reads them: `duplicates` and line counts see Python, not Jinja.
+templates as a kernel engineer reads them: a duplicate-code checker and line counts see Python, not
+Jinja.
 
 Each family's module is rendered once with all attention variants (window, softcap, ALiBi, sinks),
 dropout and a value head dim of its own where the family renders them, and the knob choices that
@@ -7,8 +8,7 @@ render the most device code (the split masked/unmasked loops, TMA descriptors, w
 the head split, a GQA split, the Gluon dK/dV kernel). Files are written as `<family>.py`, so that
 tools that read sources by their ending read them.
 
-    python benchmarks/rendered_copies.py /tmp/rendered
-    duplicates --repo /tmp/rendered --most 60
+    python benchmarks/rendered_copies.py /tmp/rendered   # then point the checker at /tmp/rendered
 """
 
 from __future__ import annotations

@@ -234,7 +234,10 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             three broadcast together as in torch (a (B*H, N, D) call, 5-D calls, K/V with one head or a
             batch of one); with enable_gqa, key/value heads (dim -3) divide the query's
         attn_mask: broadcastable to the scores; not served by the kernels (runs in torch SDPA)
-        dropout_p: must be 0 for the kernels (runs in torch SDPA otherwise)
+        dropout_p: attention dropout, as torch applies it (whenever > 0): served by the kernels for
+            0 < dropout_p < 1 without attn_mask (a fresh seed from torch's generator per call, the mask
+            drawn again in the backward: `autoflash.dropout`); not torch's random stream, so the mask
+            differs from torch SDPA's for the same seed
         is_causal: causal mask aligned top-left, as SDPA (query i sees keys j <= i)
         scale: softmax scale, default 1/sqrt(headdim): a number or what torch's float argument takes
             (a numpy scalar, a 0-d tensor)
@@ -266,7 +269,16 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         reason = numbers_reason(p, sm_scale)
     if reason is None:
         q, k, v = kernel_views(query, key, value, batch)
-        reason = unsupported_reason(q, k, v, attn_mask, p, sm_scale, training=needs_autograd(q, k, v))
+        if p > 0 and attn_mask is None:  # (as torch, dropout whenever asked: the caller passes 0 in eval)
+            from autoflash import dropout
+
+            served, reason = dropout.serve(q, k, v, p, sm_scale, is_causal, 0, needs_autograd(q, k, v),
+                                           deterministic_backward())
+            if served is not None:
+                out = served[0]
+                return out if out.shape == (*batch, *out.shape[-2:]) else out.reshape(*batch, *out.shape[-2:])
+        else:
+            reason = unsupported_reason(q, k, v, attn_mask, p, sm_scale, training=needs_autograd(q, k, v))
     if reason is None:
         try:
             # (a numpy or tensor scale as the number torch reads: the plan memo takes plain numbers)

@@ -4,9 +4,9 @@ positionally), and `flash_attn_heads_first` for layers that hold (B, H, N, D) vi
 
 Semantics are flash-attn's: causal and windows aligned bottom-right (query i sits at key position
 i + seqlen_k - seqlen_q), GQA/MQA by head groups. What the kernels compute runs on them: plain attention
-always, windows, softcaps and ALiBi, with autograd too (`autoflash.variant_forward`); the rest (dropout
-with a variant, ...) runs in torch (`autoflash.eager`, or torch SDPA for plain dropout) with one `FallbackWarning` per
-reason, never without the argument.
+always, windows, softcaps and ALiBi, with autograd too (`autoflash.variant_forward`), dropout with
+0 < p < 1, with those variants too (`autoflash.dropout`); the rest (p = 1, ...) runs in torch (`autoflash.eager`,
+or torch SDPA) with one `FallbackWarning` per reason, never without the argument.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         q: (batch_size, seqlen_q, nheads, headdim)
         k: (batch_size, seqlen_k, nheads_k, headdim); nheads_k divides nheads (MQA/GQA)
         v: (batch_size, seqlen_k, nheads_k, headdim)
-        dropout_p: dropout on the attention probabilities (runs in torch: the kernels have none)
+        dropout_p: dropout on the attention probabilities, as flash-attn's (the LSE of the undropped
+            scores): the kernels draw the mask (a fresh seed from torch's generator per call, drawn again
+            in the backward: `autoflash.dropout`), with a window, softcap or ALiBi too; p = 1 runs in torch
         softmax_scale: default 1/sqrt(headdim)
         causal: causal mask aligned bottom-right, as flash-attn: query i sees keys
             j <= i + seqlen_k - seqlen_q; a query row that sees no key returns 0
@@ -44,7 +46,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softcap: > 0 caps the scaled scores as softcap * tanh(s / softcap)
         alibi_slopes: (nheads,) or (batch_size, nheads) float32: adds -slope * |i + seqlen_k - seqlen_q - j|
             to the scores
-            (window, softcap and ALiBi run on the kernels, their backward too; with dropout in torch)
+            (window, softcap and ALiBi run on the kernels, their backward too, with dropout as well)
         deterministic: a bitwise repeatable backward (a backward variant without float32 atomics;
             torch.use_deterministic_algorithms(True) asks for it too)
         return_attn_probs: also return the log-sum-exp (flash-attn's testing output)
@@ -144,7 +146,14 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
     sm_scale = softmax_scale_or_default(scale, q.shape[-1])
     if variants:
         score, why = ScoreArgs(window, softcap, alibi_slopes), "not served by the kernels yet"
-        if not score.variant.plain:  # the generated kernels compute them (and their backward)
+        if not score.variant.plain and dropout_p > 0:  # rendered with the dropout too (autoflash.dropout)
+            from autoflash import dropout
+
+            served, why = dropout.serve(q, k, v, dropout_p, scale, causal, offset, training,
+                                        deterministic_backward(deterministic), score=score)
+            if served is not None:
+                return served
+        elif not score.variant.plain:  # the generated kernels compute them (and their backward)
             served, why = variant_forward.serve(q, k, v, dropout_p, scale, causal, offset, score, training,
                                                   deterministic_backward(deterministic))
             if served is not None:
@@ -152,7 +161,16 @@ def _heads_first(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
         fall_back(f"{', '.join(variants)} ({why})", to="torch (autoflash.eager)")
         return eager_attention(q, k, v, scale=sm_scale, causal=causal, offset=offset, window=window, softcap=softcap,
                                alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-    reason = unsupported_reason(q, k, v, None, dropout_p, scale, training=training)
+    if dropout_p > 0:  # (the kernels draw the mask: flash-attn's semantics, the LSE of the undropped scores)
+        from autoflash import dropout
+
+        served, why = dropout.serve(q, k, v, dropout_p, scale, causal, offset, training,
+                                    deterministic_backward(deterministic))
+        if served is not None:
+            return served if return_lse else (served[0], None)
+        reason = why
+    else:
+        reason = unsupported_reason(q, k, v, None, dropout_p, scale, training=training)
     if reason is None:
         try:
             if return_lse and not training:

@@ -11,7 +11,8 @@ Windows, softcaps and ALiBi run in one launch of the forward kernel rendered wit
 (`autoflash.variant_forward`), and with autograd in one launch of each backward kernel rendered with
 them too (`VarlenAttention`). Calls the kernels do not take (a dtype, device or head dim they do not
 support, a non-positive scale, dropout) run
-sequence by sequence through `flash_attn_func`, which runs them in torch with one warning per reason
+sequence by sequence through `flash_attn_func`, which runs dropout (0 < p < 1, no variant) on the dense
+dropout kernels, a seed per sequence (`autoflash.dropout`), and the rest in torch with one warning per reason
 (`AUTOFLASH_STRICT=1`: an error). A deterministic backward runs on the packed kernels, in a variant
 without float32 atomics. A paged K/V (`block_table`) is gathered into packed tensors first.
 """

@@ -145,7 +145,7 @@ def test_attn_mask_falls_back_once_with_a_warning():
 def test_strict_mode_turns_fallback_into_error(strict):
     q = rand(1, 2, 16, 32)
     with pytest.raises(api.FallbackError, match="dropout"):
-        autoflash.attention(q, q, q, dropout_p=0.1)
+        autoflash.attention(q, q, q, dropout_p=1.0)  # (0 < dropout_p < 1 runs on the kernels: autoflash.dropout)
     with pytest.raises(api.FallbackError, match="head dim"):
         autoflash.attention(rand(1, 2, 16, 12), rand(1, 2, 16, 12), rand(1, 2, 16, 12))
 

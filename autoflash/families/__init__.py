@@ -1,7 +1,8 @@
 """The kernel families, one folder each: `kernel.py.jinja` (device code only), `host.py` (the launch,
 a subclass of `base.Family`), `space.toml` (knobs, constraints, defaults) and `replaces.toml` (earlier
 template hashes whose stored winners are this family's kernels unchanged). Shared parts (Jinja macros
-and includes of device code, host helpers) are in `_shared/`, part of every family's template hash.
+and includes of device code, @triton.jit device functions the kernel modules import, host helpers) are
+in `_shared/`, part of every family's template hash.
 
 Importing this package imports no torch and no triton: the space layer reads the folders' data.
 """

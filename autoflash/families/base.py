@@ -38,16 +38,38 @@ class Family(abc.ABC):
     serves_score_variants: ClassVar[bool] = False  # renders and launches `score_variant` hooks
     # renders VALUE_DIM: V, O and dO with a head dim other than Q's and K's (MLA), launched as such
     serves_value_dim: ClassVar[bool] = False
+    # renders DROPOUT: attention dropout drawn in the kernels from a (seed, offset) pair (dense calls)
+    serves_dropout: ClassVar[bool] = False
 
-    def __init__(self, knobs: dict, kernels: ModuleType, score: ScoreVariant = PLAIN, value_dim: bool = False):
+    def __init__(self, knobs: dict, kernels: ModuleType, score: ScoreVariant = PLAIN, value_dim: bool = False,
+                 dropout: bool = False):
         if not score.plain and not self.serves_score_variants:
             raise ValueError(f"{self.name} computes no attention variants (asked for {score.key!r})")
         if value_dim and not self.serves_value_dim:
             raise ValueError(f"{self.name} takes no value head dim other than the query's")
+        if dropout and not self.serves_dropout:
+            raise ValueError(f"{self.name} renders no attention dropout")
         self.knobs = dict(knobs)
         self.kernels = kernels
         self.score = score
         self.value_dim = value_dim  # rendered with VALUE_DIM: takes V's head dim from v's shape
+        self.dropout = dropout  # rendered with DROPOUT: every launch takes a `dropout.DropoutArgs`
+
+    def dropout_kernel_args(self, args, compile_only: bool = False) -> tuple:
+        """The kernels' dropout parameters (dropout_p, dropout_seed, dropout_offset) for a launch: none for
+        a kernel rendered without DROPOUT (which refuses `args`), the call's `DropoutArgs` for one with it
+        (a build without a launch takes stand-ins of the same types)."""
+        if not self.dropout:
+            if args is not None:
+                raise ValueError(f"{self.name}: a kernel rendered without dropout got dropout arguments")
+            return ()
+        if args is None:
+            if not compile_only:
+                raise ValueError(f"{self.name}: a kernel rendered with dropout needs its (p, seed, offset) at each launch")
+            from autoflash.dropout import DropoutArgs
+
+            args = DropoutArgs(0.5, 1 << 40, 0)
+        return args.kernel_args()
 
     @property
     def uses_tma(self) -> bool:

@@ -1,2 +1,3 @@
-"""Parts every kernel family may use: Jinja includes of device code (`*.jinja`) and host helpers (`*.py`).
+"""Parts every kernel family may use: Jinja includes of device code (`*.jinja`), device functions the
+rendered kernel modules import (`triton_device.py`, through `device_modules`) and host helpers (`*.py`).
 Every file here is part of every family's template hash."""

@@ -38,6 +38,7 @@ class TritonBackward(BackwardFamily):
     supports_varlen = True
     serves_score_variants = True
     serves_value_dim = True  # (the Triton kernels; the Gluon dK/dV kernel takes one head dim)
+    serves_dropout = True  # (dense calls, the Triton kernels: the Gluon dK/dV kernel has none)
     max_grid_axis = MAX_GRID_AXIS  # (a test lowers it to exercise the windows of packed sequences)
 
     def supports(self, q, k, v, o):
@@ -49,15 +50,18 @@ class TritonBackward(BackwardFamily):
         return (blocks, heads) if self.knobs["GRID_ORDER"] == "kv_major" else (heads, blocks)
 
     def launch(self, *, q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset, compile_only=False,
-               score_args=None):
+               score_args=None, dropout_args=None):
         batch = q.shape[0]
         lse = lse.contiguous()  # delta is made with lse's (contiguous) layout: the kernels index both alike
         delta = torch.empty((batch, q.shape[1], q.shape[2]), device=q.device, dtype=torch.float32)
         self._launch(q, k, v, o, lse, do, dq, dk, dv, delta, None, None, batch, q.shape[2], k.shape[2], sm_scale,
-                     causal, causal_offset, compile_only, score_args or NO_SCORE_ARGS)
+                     causal, causal_offset, compile_only, score_args or NO_SCORE_ARGS,
+                     self.dropout_kernel_args(dropout_args, compile_only))
 
     def launch_varlen(self, *, q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       sm_scale, causal, compile_only=False, score_args=None):
+        if self.dropout:  # (launch windows would renumber the sequences: dense calls only)
+            raise ValueError(f"{self.name}: a kernel rendered with dropout takes no packed sequences")
         views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o, do, dq, dk, dv)]  # (1, H, total, D)
         lse = lse.contiguous()  # delta and the atomic dQ buffer are made contiguous and indexed with lse's strides
         delta = torch.empty((1, q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
@@ -66,7 +70,7 @@ class TritonBackward(BackwardFamily):
                      compile_only, score_args or NO_SCORE_ARGS)
 
     def _launch(self, q, k, v, o, lse, do, dq, dk, dv, delta, cu_q, cu_k, batch, n_q, n_k, sm_scale, causal,
-                causal_offset, compile_only, score_args=NO_SCORE_ARGS):
+                causal_offset, compile_only, score_args=NO_SCORE_ARGS, dropout=()):
         """DQ_OVERLAP "concurrent": the dK/dV launches on the second stream for the caller's stream;
         each run of them first waits for the caller's stream, and the caller's stream waits for them
         when the call ends, also when a launch raised (the buffers they use are freed on the caller's
@@ -75,7 +79,7 @@ class TritonBackward(BackwardFamily):
         side = side_stream(q.device) if concurrent and q.is_cuda and not compile_only else None
         try:
             self._launch_beside(side, q, k, v, o, lse, do, dq, dk, dv, delta, cu_q, cu_k, batch, n_q, n_k, sm_scale,
-                                causal, causal_offset, compile_only, score_args)
+                                causal, causal_offset, compile_only, score_args, dropout)
         finally:
             if side is not None:
                 torch.cuda.current_stream(q.device).wait_stream(side)
@@ -89,7 +93,7 @@ class TritonBackward(BackwardFamily):
         return torch.cuda.stream(side)  # (None: the caller's stream)
 
     def _launch_beside(self, side, q, k, v, o, lse, do, dq, dk, dv, delta, cu_q, cu_k, batch, n_q, n_k, sm_scale,
-                       causal, causal_offset, compile_only, score_args):
+                       causal, causal_offset, compile_only, score_args, dropout=()):
         """q ... dv: (B, H, N, D) views (B = 1 for packed sequences, whose rows the cu tensors split);
         lse and delta (B, H, total rows) float32; n_q, n_k: the (longest) sequence lengths."""
         kn, kernels = self.knobs, self.kernels
@@ -135,11 +139,12 @@ class TritonBackward(BackwardFamily):
         if kn["DKDV_KERNEL"] == "gluon_sm90":
             from autoflash.families.triton_bwd import gluon_dkdv as gluon
 
-            gluon_dkdv = not varlen and self.score.plain and not self.value_dim and gluon.refusal(q, k, v, do, dk, dv) is None
+            gluon_dkdv = not varlen and self.score.plain and not self.value_dim and not self.dropout and gluon.refusal(q, k, v, do, dk, dv) is None
         for first in range(0, batch, per_launch):
             window = min(per_launch, batch - first)
             cu_qw, cu_kw = (cu_q[first:], cu_k[first:]) if varlen else (None, None)
             score = score_args.batch_slice(first).kernel_args(self.score)  # (the window's (B, H) ALiBi slopes)
+            score = (*score, *dropout)  # (and the dropout's parameters after them: dense calls, one window)
             with self._on_side(side, q.device):
                 if gluon_dkdv:  # the Gluon kernel where it takes the call, else Triton's
                     args, constexprs, gl_grid, options = gluon.launch_args(kn, q, k, v, do, dk, dv, lse, delta,

@@ -17,6 +17,7 @@ class TritonForward(ForwardFamily):
     supports_varlen = True
     serves_score_variants = True
     serves_value_dim = True
+    serves_dropout = True  # (dense calls: a packed batch's launch windows would renumber its sequences)
     max_grid_axis = MAX_GRID_AXIS  # (a test lowers it to exercise the split launches)
 
     def supports(self, q, k, v, o):
@@ -30,13 +31,17 @@ class TritonForward(ForwardFamily):
             return (blocks_m, batch * heads)
         return (batch * heads, blocks_m)
 
-    def launch(self, *, q, k, v, o, lse, sm_scale, causal, causal_offset, compile_only=False, score_args=None):
+    def launch(self, *, q, k, v, o, lse, sm_scale, causal, causal_offset, compile_only=False, score_args=None,
+               dropout_args=None):
         batch, _heads, n_q, _ = q.shape
         self._launch(q, k, v, o, lse, None, None, lse.stride(0), lse.stride(1), batch, n_q, k.shape[2], sm_scale,
-                     causal, causal_offset, compile_only, score_args or NO_SCORE_ARGS)
+                     causal, causal_offset, compile_only, score_args or NO_SCORE_ARGS,
+                     self.dropout_kernel_args(dropout_args, compile_only))
 
     def launch_varlen(self, *, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, causal,
                       compile_only=False, score_args=None):
+        if self.dropout:  # (launch windows would renumber the sequences: dense calls only)
+            raise ValueError(f"{self.name}: a kernel rendered with dropout takes no packed sequences")
         batch = cu_seqlens_q.shape[0] - 1
         q4, k4, v4, o4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o))  # (1, H, total, D) views
         # A grid axis holds batch x heads programs; CUDA caps axes 1 and 2 at 65535, so a batch of many
@@ -51,7 +56,7 @@ class TritonForward(ForwardFamily):
                 break
 
     def _launch(self, q, k, v, o, lse, cu_q, cu_k, stride_lz, stride_lh, batch, n_q, n_k, sm_scale, causal,
-                causal_offset, compile_only, score_args):
+                causal_offset, compile_only, score_args, dropout=()):
         if not sm_scale > 0:
             raise ValueError(f"the kernels need a positive softmax scale, got {sm_scale}")
         heads, head_dim = q.shape[1], q.shape[3]
@@ -66,7 +71,7 @@ class TritonForward(ForwardFamily):
             q, k, v, o, lse, cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), stride_lz, stride_lh,
             heads, n_q, n_k, heads // k.shape[1], sm_scale, causal_offset,
-            *score_args.kernel_args(self.score),
+            *score_args.kernel_args(self.score), *dropout,
             HEAD_DIM=head_dim,
             BLOCK_D=head_block(head_dim),
             IS_CAUSAL=causal,

@@ -1,0 +1,57 @@
+"""Device functions several Triton families' kernels call, each written once. The rendered kernel
+modules import it through `device_modules` (once per interpreter setting) and call
+`triton_device.<name>(...)`: Triton inlines a called @triton.jit function, and each function here is
+the statements the kernels had inline before, in the same order, so the kernels compute the same
+values. This file is part of every family's template hash (`families.hashed_source`) and of
+Triton's own cache key of every kernel that calls it."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax_masked(qk, visible, m_i, l_i):
+    """One masked score tile `qk` (log2 domain, already scaled) into the online softmax state m_i,
+    l_i: returns p, alpha (what the output sum is rescaled by), m_new (the new m_i) and l_i."""
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # A row that has seen only masked keys keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def window_kv_range(first_row, causal_offset, N_K, window_left, window_right,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The KV blocks a tile of ROWS query rows from `first_row` visits under a sliding window: only
+    the band, so the cost is linear in the sequence length. Query i sees key j iff
+    i + causal_offset - window_left <= j <= i + causal_offset + window_right. Returns (lo, full_lo,
+    band_lo, hi): [lo, full_lo) the band's left edge (masked), [full_lo, band_lo) keys every row
+    sees (no mask), [band_lo, hi) the right edge (masked). All bounds but hi are multiples of
+    BLOCK_N; divisions only of non-negative numbers."""
+    reach = window_right  # the last key a row sees, relative to its own position
+    if IS_CAUSAL:
+        reach = tl.minimum(reach, 0)
+    first = first_row + causal_offset  # key position of the tile's first row
+    hi = tl.minimum(N_K, tl.maximum(first + ROWS + reach, 0))
+    lo = (tl.minimum(tl.maximum(first - window_left, 0), hi) // BLOCK_N) * BLOCK_N
+    every_row_hi = tl.maximum(first + reach + 1, 0)  # keys below it (and in the band) are seen by every row
+    band_lo = tl.maximum(lo, tl.minimum((every_row_hi // BLOCK_N) * BLOCK_N, (hi // BLOCK_N) * BLOCK_N))
+    every_row_lo = tl.maximum(first + ROWS - 1 - window_left, 0)  # the last row's first key
+    full_lo = tl.minimum(tl.maximum(((every_row_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), band_lo)
+    return lo, full_lo, band_lo, hi
+
+
+@triton.jit
+def packed_sequence(CU_Q, CU_K, off_z):
+    """Packed sequences: batch entry off_z owns rows [CU_Q[z], CU_Q[z+1]) of the (total, H, D) query
+    tensors and [CU_K[z], CU_K[z+1]) of the key ones. Returns (q_start, k_start) in int64 and the
+    sequence's lengths (N_Q, N_K)."""
+    q_start = tl.load(CU_Q + off_z).to(tl.int64)
+    k_start = tl.load(CU_K + off_z).to(tl.int64)
+    N_Q = tl.load(CU_Q + off_z + 1) - q_start.to(tl.int32)
+    N_K = tl.load(CU_K + off_z + 1) - k_start.to(tl.int32)
+    return q_start, k_start, N_Q, N_K

@@ -28,7 +28,7 @@ WORK_TILE_ROWS = 128
 WORK_MIN, WORK_MAX = -6, 10
 _KEY = re.compile(r"(?P<op>[a-z]+)/(?P<dtype>[a-z0-9]+)/d(?P<d>-?\d+)/(?P<c>causal|full)/g(?P<g>-?\d+)"
                   r"/q(?P<q>-?\d+)/k(?P<k>-?\d+)(?:/w(?P<w>-?\d+))?(?:/p(?P<p>-?\d+))?(?:/dv(?P<dv>-?\d+))?"
-                  r"(?:/(?P<s>[a-z+]+))?")
+                  r"(?:/(?P<s>[a-z0-9+-]+))?")
 
 
 def unsupported_head_dim(d: int) -> str | None:

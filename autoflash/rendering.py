@@ -20,13 +20,22 @@ from autoflash.space import Variant, load_space
 
 @functools.lru_cache(maxsize=None)
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         # "<family>/kernel.py.jinja", a family's other parts and the shared includes "_shared/<part>.jinja"
         loader=jinja2.FileSystemLoader(str(resources.data_dir("families"))),
         undefined=jinja2.StrictUndefined,  # a knob the template reads but the variant lacks: error
         keep_trailing_newline=True,
         autoescape=False,
     )
+    env.globals["user_mod_lines"] = _user_mod_lines  # (a global: the shared macros see it without context)
+    return env
+
+
+def _user_mod_lines(key: str, score: str, out: str) -> list[str]:
+    """A user's score or mask function's statements (`score_mods.kernel_lines`), for the templates."""
+    from autoflash import score_mods
+
+    return score_mods.kernel_lines(key, score, out)
 
 
 @functools.lru_cache(maxsize=None)

@@ -197,11 +197,39 @@ class Traced:
 
 
 def trace_score_mod(fn) -> Traced:
-    return _trace(fn, SCORE_ARGS, mask=False)
+    return _register(_trace(fn, SCORE_ARGS, mask=False))
 
 
 def trace_mask_mod(fn) -> Traced:
-    return _trace(fn, MASK_ARGS, mask=True)
+    return _register(_trace(fn, MASK_ARGS, mask=True))
+
+
+# Traced functions by key: a kernel rendered for a key (`ScoreVariant.score_mod`/`mask_mod`) finds its
+# code here. Process-local, as the functions are: a key of another process's function is not known here.
+_REGISTRY: dict[str, Traced] = {}
+
+
+def _register(traced: Traced) -> Traced:
+    return _REGISTRY.setdefault(traced.key, traced)
+
+
+def traced_for(key: str) -> Traced:
+    """The traced function a kernel's key names (traced in this process), else a clear error."""
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise ScoreModError(f"no function traced in this process has the key {key!r} (trace it with "
+                            "trace_score_mod / trace_mask_mod before a kernel is rendered for it)") from None
+
+
+# The kernels' names for a user function's inputs, in the Triton forward's KV loop: the batch entry,
+# the query head, the query rows and key columns of the tile as broadcastable index vectors.
+KERNEL_NAMES = {"b": "off_z", "h": "off_h", "q_idx": "offs_m[:, None]", "kv_idx": "offs_kn[None, :]"}
+
+
+def kernel_lines(key: str, score: str, out: str) -> list[str]:
+    """The statements a kernel runs for the function `key`, its score tile named `score`."""
+    return traced_for(key).lines({**KERNEL_NAMES, "score": score}, out)
 
 
 def _trace(fn, arg_names, mask: bool) -> Traced:

@@ -19,6 +19,7 @@ Torch is not imported here: the problem key (and the space layer under it) reads
 from __future__ import annotations
 
 import dataclasses
+import re
 
 # The variants in the order their names appear in a key ("window+softcap").
 FEATURES = ("window", "softcap", "alibi", "sinks")
@@ -36,11 +37,15 @@ class ScoreVariant:
     softcap: bool = False
     alibi: bool = False
     sinks: bool = False
+    # A user's score_mod / mask_mod (autoflash.score_mods): the traced code's key, 'score-<hash>' /
+    # 'mask-<hash>', '' for none. The code itself is looked up by key when the kernel is rendered.
+    score_mod: str = ""
+    mask_mod: str = ""
 
     @property
     def key(self) -> str:
-        """The problem key's segment, e.g. 'window+softcap'; '' for the plain kernel."""
-        return "+".join(f for f in FEATURES if getattr(self, f))
+        """The problem key's segment, e.g. 'window+softcap' or 'score-1a2b3c4d5e'; '' for the plain kernel."""
+        return "+".join([f for f in FEATURES if getattr(self, f)] + [m for m in (self.score_mod, self.mask_mod) if m])
 
     @classmethod
     def from_key(cls, key: str | None) -> "ScoreVariant":
@@ -48,21 +53,31 @@ class ScoreVariant:
         if not key:
             return PLAIN
         names = key.split("+")
-        if any(n not in FEATURES for n in names) or names != sorted(set(names), key=FEATURES.index):
-            raise ValueError(f"score variant {key!r}: expected names of {FEATURES} joined by '+', in that order")
-        return cls(**{n: True for n in names})
+        mods = {kind: [n for n in names if _USER_MOD.fullmatch(n) and n.startswith(kind)] for kind in ("score-", "mask-")}
+        features = [n for n in names if n not in mods["score-"] + mods["mask-"]]
+        if (any(n not in FEATURES for n in features) or features != sorted(set(features), key=FEATURES.index)
+                or any(len(m) > 1 for m in mods.values()) or names != features + mods["score-"] + mods["mask-"]):
+            raise ValueError(f"score variant {key!r}: expected names of {FEATURES} joined by '+', in that order, "
+                             f"then a score-<hash> and a mask-<hash> of user functions")
+        return cls(**{n: True for n in features}, score_mod="".join(mods["score-"]), mask_mod="".join(mods["mask-"]))
 
     @property
     def plain(self) -> bool:
-        return not (self.window or self.softcap or self.alibi or self.sinks)
+        return not (self.window or self.softcap or self.alibi or self.sinks or self.user)
+
+    @property
+    def user(self) -> bool:
+        """A user's score or mask function is rendered in (every KV tile then takes the masked path)."""
+        return bool(self.score_mod or self.mask_mod)
 
     @property
     def modifies_scores(self) -> bool:
         """The variant changes score values (not only which keys are visible, or the denominator): the
         kernel's fused scale-and-max of fully visible tiles cannot be used."""
-        return self.softcap or self.alibi
+        return self.softcap or self.alibi or bool(self.score_mod)
 
 
+_USER_MOD = re.compile(r"(score|mask)-[0-9a-f]{10}")
 PLAIN = ScoreVariant()
 
 
@@ -76,11 +91,15 @@ class ScoreArgs:
     softcap: float = 0.0
     alibi_slopes: object = None
     sinks: object = None
+    score_mod: object = None  # a traced user function (autoflash.score_mods.Traced), rendered into the kernel
+    mask_mod: object = None
 
     @property
     def variant(self) -> ScoreVariant:
         return ScoreVariant(window=tuple(self.window) != (-1, -1), softcap=self.softcap > 0,
-                            alibi=self.alibi_slopes is not None, sinks=self.sinks is not None)
+                            alibi=self.alibi_slopes is not None, sinks=self.sinks is not None,
+                            score_mod=self.score_mod.key if self.score_mod is not None else "",
+                            mask_mod=self.mask_mod.key if self.mask_mod is not None else "")
 
     def per_batch(self) -> bool:
         """ALiBi slopes per (batch, head): a launch over a slice of the batch takes the same slice."""

@@ -1,0 +1,138 @@
+"""flex_attention: a user's score and mask functions rendered into the forward kernel (Triton's
+interpreter on the CPU; the same tests run on the GPU in bf16 with the gpu marker), against the float64
+reference of the same functions on materialized scores, at ragged lengths, GQA, Nq != Nk."""
+
+import os
+
+import pytest
+import torch
+
+import autoflash
+from autoflash import api
+from autoflash.fallback import FallbackError, FallbackWarning
+from autoflash.flex import eager
+from autoflash.score_mods import ScoreModError
+from conftest import HAS_GPU
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    api.reset()
+    yield
+    api.reset()
+
+
+def relative(score, b, h, q_idx, kv_idx):
+    return score - 0.05 * abs(q_idx - kv_idx)
+
+
+def capped(score, b, h, q_idx, kv_idx):
+    return 5.0 * torch.tanh(score / 5.0)
+
+
+def per_head(score, b, h, q_idx, kv_idx):
+    return score + (h + 1) * 0.25 * (kv_idx - q_idx) / 64 + b
+
+
+def kills_a_band(score, b, h, q_idx, kv_idx):  # a score_mod that masks: -inf scores
+    return torch.where((kv_idx > q_idx + 3) & (kv_idx < q_idx + 20), float("-inf"), score)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx <= 16) & (kv_idx - q_idx <= 16)
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx < 9) | (q_idx >= kv_idx) & (h != 1)  # head 1 sees only the prefix (row 0..: some rows see all 9)
+
+
+def late_start(b, h, q_idx, kv_idx):  # rows below 5 see no key at all
+    return (kv_idx <= q_idx - 5)
+
+
+CASES = [(relative, None), (capped, causal), (per_head, window), (kills_a_band, None), (None, prefix_lm),
+         (relative, late_start)]
+
+
+def inputs(batch, heads, heads_kv, nq, nk, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    return make(batch, heads, nq, d), make(batch, heads_kv, nk, d), make(batch, heads_kv, nk, d)
+
+
+def check(score_mod, mask_mod, dtype, device, shapes):
+    for batch, heads, heads_kv, nq, nk, d in shapes:
+        q, k, v = inputs(batch, heads, heads_kv, nq, nk, d, dtype, device)
+        out, lse = autoflash.flex_attention(q, k, v, score_mod, mask_mod, enable_gqa=heads != heads_kv, return_lse=True)
+        want, want_lse = eager(q.double(), k.double(), v.double(), score_mod, mask_mod, d ** -0.5)
+        tol = 2e-2 if dtype != torch.float32 else 2e-4
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(finite, torch.isfinite(lse))
+        torch.testing.assert_close(lse.double()[finite], want_lse[finite], rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="interpreter test (the gpu-marked twin runs on the GPU)")
+@pytest.mark.parametrize("score_mod, mask_mod", CASES)
+def test_user_functions_on_the_kernels_match_float64(score_mod, mask_mod, monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")  # served by the kernels, or this fails
+    check(score_mod, mask_mod, torch.float32, "cpu", [(2, 4, 2, 37, 113, 32), (1, 2, 2, 61, 61, 16)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score_mod, mask_mod", CASES)
+def test_gpu_user_functions_on_the_kernels_match_float64(score_mod, mask_mod, monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    check(score_mod, mask_mod, torch.bfloat16, "cuda", [(2, 8, 2, 1023, 4111, 128), (1, 4, 4, 113, 37, 64),
+                                                        (3, 2, 1, 1, 1023, 64)])
+
+
+def test_a_call_with_gradients_falls_back_with_a_warning_and_right_gradients(monkeypatch):
+    monkeypatch.delenv("AUTOFLASH_STRICT", raising=False)
+    q, k, v = (t.requires_grad_() for t in inputs(1, 2, 2, 19, 23, 16, torch.float32, "cpu"))
+    with pytest.warns(FallbackWarning, match="gradients of a user's score or mask function"):
+        out = autoflash.flex_attention(q, k, v, relative, causal)
+    out.square().sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    eager(q64, k64, v64, relative, causal, 16 ** -0.5)[0].square().sum().backward()
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    api.reset()
+    with pytest.raises(FallbackError):
+        autoflash.flex_attention(q, k, v, relative, causal)
+
+
+def test_functions_the_kernels_cannot_run_are_refused_naming_the_line():
+    def branchy(score, b, h, q_idx, kv_idx):
+        return score if q_idx > kv_idx else -score
+
+    q, k, v = inputs(1, 1, 1, 8, 8, 16, torch.float32, "cpu")
+    with pytest.raises(ScoreModError, match=r"branchy, line \d+ \(return score if q_idx > kv_idx else -score\)"):
+        autoflash.flex_attention(q, k, v, branchy)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        autoflash.flex_attention(q, k[:, :0], v[:, :0])
+
+
+def test_each_function_is_its_own_kernel(tmp_path, monkeypatch):
+    """Two functions, two kernels (the code's hash in the kernel's file name); the same function
+    traced again, the same kernel."""
+    monkeypatch.setenv("AUTOFLASH_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    q, k, v = inputs(1, 2, 2, 16, 16, 16, torch.float32, "cpu")
+
+    def halved(score, b, h, q_idx, kv_idx):  # (functions no other test compiled: their kernels are new here)
+        return score * 0.5 - 0.01 * kv_idx
+
+    def quartered(score, b, h, q_idx, kv_idx):
+        return score * 0.25 - 0.01 * kv_idx
+
+    for fn in (halved, quartered, halved):
+        autoflash.flex_attention(q, k, v, fn)
+    names = sorted(p.name for p in tmp_path.rglob("*.py"))
+    assert len([n for n in names if "-score-" in n]) == 2, names
+    assert os.environ["AUTOFLASH_STRICT"] == "1"

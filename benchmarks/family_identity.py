@@ -299,9 +299,17 @@ def ttir_same(variant, old_module) -> str:
         signature = {n: "constexpr" if n in constexprs else mangle_type(next(values)) for n in jit.arg_names}
         options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
         with codegen.interpreter_off():
-            ir = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                                options=options).asm["ttir"]
-        return re.sub(r"\s*loc\([^()]*(\([^()]*\)[^()]*)*\)", "", re.sub(r"^#loc.*$", "", ir, flags=re.M))
+            asm = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                 options=options).asm
+        ir = re.sub(r"\s*loc\([^()]*(\([^()]*\)[^()]*)*\)", "", re.sub(r"^#loc.*$", "", asm["ttir"], flags=re.M))
+        # PTX without its debug sections, line records, inlined-scope labels and comments: what the GPU runs
+        ptx = re.sub(r"^\s*\.section\s+\.debug.*?^\s*}", "", asm["ptx"], flags=re.M | re.S)
+        ptx = "\n".join(line for line in ptx.splitlines()
+                        if line.strip() and not line.strip().startswith((".loc", ".file", "//"))
+                        and not re.fullmatch(r"\$L__tmp\d+:", line.strip()))  # (debug scopes of inlined calls)
+        entry = re.search(r"\.entry\s+(\w+)", ptx)  # (the kernel's compiled name: readable names are newer)
+        ptx = ptx.replace(entry.group(1), "KERNEL") if entry else ptx
+        return ir, ptx
 
     d = 128
     q, o, do, dq = (torch.empty(2, 4, 333, d, dtype=torch.bfloat16) for _ in range(4))
@@ -321,8 +329,11 @@ def ttir_same(variant, old_module) -> str:
                                                              causal_offset=184, compile_only=True))
     if [j.fn.__name__ for j, _, _ in before] != [j.fn.__name__ for j, _, _ in after]:
         return "differ: other kernels launched"
-    same = all(ttir(*b) == ttir(*a) for b, a in zip(before, after))
-    return "identical" if same else "differ"
+    pairs = [(ttir(*b), ttir(*a)) for b, a in zip(before, after)]
+    if all(b[0] == a[0] for b, a in pairs):
+        return "identical"
+    # (Triton IR that differs in the order of independent operations can still compile to the same PTX)
+    return "identical PTX" if all(b[1] == a[1] for b, a in pairs) else "differ"
 
 
 def _plain_forward_knobs() -> dict:
@@ -341,6 +352,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=0,
                         help="worker processes (default: 8 with --gpu, else 1)")
     parser.add_argument("--write-baseline", action="store_true", help="freeze the earlier templates from git")
+    parser.add_argument("--ttir-index", type=int, help=argparse.SUPPRESS)  # (the clean child of a TTIR check)
     parser.add_argument("--write-replaces", action="store_true",
                         help="record, for each family whose every variant is identical, that its template "
                              "replaces the earlier one (autoflash/families/<name>/replaces.toml)")
@@ -348,6 +360,9 @@ def main(argv=None) -> int:
     args.jobs = args.jobs or (8 if args.gpu else 1)
     if args.write_baseline:
         write_baseline()
+        return 0
+    if args.ttir_index is not None:
+        print(_ttir_of_index(args.ttir_index))
         return 0
     if not args.gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -377,7 +392,7 @@ def main(argv=None) -> int:
                "identical_but_for_atomic_order": count("outputs", "identical but for atomic order"),
                "errors": count("outputs", "error"),
                "gluon_launch_args_identical": count("gluon_launch_args", "identical"),
-               "ttir_sm90_identical": count("ttir_sm90", "identical"), "not_run": count("outputs", "not run") + count("outputs", "skipped"),
+               "ttir_sm90_identical": count("ttir_sm90", "identical") + count("ttir_sm90", "identical PTX"), "not_run": count("outputs", "not run") + count("outputs", "skipped"),
                "mode": "gpu" if args.gpu else "cpu-interpreter", "seconds": round(time.time() - start, 1),
                "torch": torch.__version__, "baseline_commit": BASELINE_COMMIT,
                "device": torch.cuda.get_device_name() if args.gpu else "cpu"}
@@ -418,18 +433,41 @@ def check_variant(i, where, variant, problem, gpu: bool, no_run: bool) -> dict:
             limit = not gpu and "InterpreterBuilder" in str(e)  # (e.g. TMA reductions: GPU only)
             row.update(outputs="not run" if limit else "error", error=f"{type(e).__name__}: {e}"[:500])
             if limit and row["device_code"] != "identical":
-                try:
-                    with codegen.interpreter_off():
-                        old = import_source(old_source, f"identity_old_{i}_compiled", folder)
-                    row["ttir_sm90"] = ttir_same(variant, old)
-                except Exception as e:  # (Triton's own @jit library, tl.sum included, was defined interpreted
-                    # in a process started with TRITON_INTERPRET=1: a kernel calling it compiles in a fresh one)
-                    row["ttir_sm90"] = f"error: {type(e).__name__}: {e}"[:300]
+                row["ttir_sm90"] = _ttir_in_clean_process(i)
     print(f"[{i + 1}] {variant.family} {problem.key} {variant.short()}: device code "
           f"{row['device_code']}, outputs {row['outputs']}"
           + (f", Gluon launch {row['gluon_launch_args']}" if "gluon_launch_args" in row else "")
           + (f", sm90 TTIR {row['ttir_sm90']}" if "ttir_sm90" in row else ""), flush=True)
     return row
+
+
+def _ttir_in_clean_process(index: int) -> str:
+    """`ttir_same` for shipped variant `index`, in a child process without TRITON_INTERPRET: in a process
+    started with it, Triton's own @jit library (tl.sum included) was defined interpreted, and a kernel
+    that calls it compiles only in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__, "--ttir-index", str(index)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return f"error: {(done.stderr or done.stdout).strip()[-300:]}"
+    return lines[-1]
+
+
+def _ttir_of_index(index: int) -> str:
+    """The child's side of `_ttir_in_clean_process`."""
+    from autoflash import codegen
+    from autoflash.device import gpu_fingerprint
+
+    device = dataclasses.replace(gpu_fingerprint(), cc_major=9, cc_minor=0)
+    _, variant, _ = shipped_variants(device)[index]
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="autoflash-identity-ttir-"))
+    with codegen.interpreter_off():
+        old = import_source(render_baseline(variant), f"identity_old_{index}_compiled", folder)
+    try:
+        return ttir_same(variant, old)
+    except Exception as e:  # noqa: BLE001 - said in the row, not a crash of the whole check
+        return f"error: {type(e).__name__}: {e}"[:300]
 
 
 def _check_share(share, gpu: bool, no_run: bool, environ: dict) -> list[dict]:
@@ -443,7 +481,7 @@ def _same(row) -> bool:
     not_run = row["outputs"] in ("not run", "skipped")
     return row.get("gluon_launch_args", "identical") == "identical" and (
         row["outputs"] in ("identical", "identical but for atomic order")
-        or (not_run and (row["device_code"] == "identical" or row.get("ttir_sm90") == "identical")))
+        or (not_run and (row["device_code"] == "identical" or row.get("ttir_sm90") in ("identical", "identical PTX"))))
 
 
 def write_replaces(results: list[dict], summary: dict) -> None:
@@ -464,7 +502,14 @@ def write_replaces(results: list[dict], summary: dict) -> None:
                     f"in {ran}" + (f" (and in {atomic} but for the order of atomic adds)" if atomic else "")
                     + ", the rest not run there and identical by device code")
         record = {"hash": old[family], "by": codegen.template_hash(family), "evidence": evidence}
+        earlier = [r for r in families.replacements(family) if r["hash"] == old[family]]
         kept = [r for r in families.replacements(family) if r["hash"] != old[family]]
+        # The template the earlier record was checked against was itself the baseline's kernels: the
+        # records chained to it (older hashes' winners) reach today's family through it.
+        bridges = [{"hash": r["by"], "by": record["by"], "evidence": f"through {old[family]}: its kernels were "
+                    f"shown identical to {r['by']}'s (the earlier record) and to today's ({record['by']}, this run)"}
+                   for r in earlier if r["by"] != record["by"]]
+        kept = [r for r in kept if r["hash"] not in {b["hash"] for b in bridges}] + bridges
         path = families.FOLDER / family / "replaces.toml"
         lines = ["# Earlier template hashes whose stored winners this family serves: the kernels they name are",
                  "# today's, unchanged (`by`: the template hash the evidence was taken against; a template edit",

@@ -149,19 +149,23 @@ def test_code_of_autoflashs_own_is_gated_before_any_timing(monkeypatch, family, 
     assert "the gate ran" in out.message and len(gated) == 1 and not timed
 
 
-def test_a_backend_clearly_slower_but_not_stopped_before_the_gate_is_timed_short_once(monkeypatch):
-    """A backend within reach of the best: gated after its short timing, which is not taken twice."""
+@pytest.mark.parametrize("call_ms, timings", [(1.0, [10.0, 40.0]), (5.0, [10.0])])
+def test_a_candidate_within_reach_is_timed_short_once_and_in_full_where_that_adds_repetitions(
+        monkeypatch, call_ms, timings):
+    """A backend within reach of the best: gated after its short timing, which is not taken twice;
+    a call of 4 ms or more gets the least repetitions (10) in a 10-ms timing and in a 40-ms one
+    alike, so the full timing would repeat the short one and is not taken."""
     timed = []
 
     def fake_time(kernel, shape, device, rep_ms=100, align="top_left"):
         timed.append(rep_ms)
-        return 1.0
+        return call_ms
     monkeypatch.setattr(sandbox, "time_variant", fake_time)
     flash = load_space("sdpa_fwd").check_declared({"BACKEND": "flash"})
-    sandbox._apply_context({"bar_ms": 0.9})  # 1.0 ms: within 1.3x of the best, so gated and timed in full
+    sandbox._apply_context({"bar_ms": call_ms * 0.9})  # within 1.3x of the best: gated, then timed
     out = sandbox.evaluate_variant(flash.json(), flash.family, SHAPE, 40, "cpu")
-    assert out.status == "ok" and out.ms == 1.0 and out.err == out.err  # (gated)
-    assert timed == [40 * sandbox.QUICK_TIMING, 40]
+    assert out.status == "ok" and out.ms == call_ms and out.err == out.err and not out.message  # (gated)
+    assert timed == timings and 40 * sandbox.QUICK_TIMING == 10.0
 
 
 class _Refuses(SdpaKernel):

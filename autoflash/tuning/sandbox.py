@@ -23,8 +23,8 @@ from autoflash.reference import make_inputs
 from autoflash.space import Variant
 from autoflash.tuning.gate import SDPA_REFUSAL_WARNINGS, check, gate_score_args, gate_shapes
 from autoflash.reference import causal_offset_for
-from autoflash.tuning.timing import (SDPA_BACKENDS, launch_callable, sdpa_callable, time_callable, time_variant,
-                                     timing_inputs)
+from autoflash.tuning.timing import (MIN_REPS, SDPA_BACKENDS, launch_callable, sdpa_callable, time_callable,
+                                     time_variant, timing_inputs)
 
 
 @dataclasses.dataclass
@@ -112,6 +112,9 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
         if quick > _bar_ms * CLEARLY_SLOWER:
             return Outcome("ok", ms=quick, err=gate.err, sdpa_err=gate.sdpa_err, seconds=time.perf_counter() - t0,
                            message=f"stopped early: {quick / _bar_ms:.2f}x the best so far after a short timing")
+        if quick * MIN_REPS >= rep_ms:  # a call this long gets MIN_REPS repetitions in either timing: the
+            return Outcome("ok", ms=quick, err=gate.err, sdpa_err=gate.sdpa_err,  # full one would repeat it
+                           seconds=time.perf_counter() - t0)
     ms = time_variant(kernel, shape, device, rep_ms=rep_ms)
     return Outcome("ok", ms=ms, err=gate.err, sdpa_err=gate.sdpa_err, seconds=time.perf_counter() - t0)
 
@@ -122,9 +125,10 @@ def _quick_before_gate(kernel, shape: Shape, device, rep_ms: float) -> float | N
 
     Such a backend is the vendor's own code, and what its gate is for is to let it be served: one
     clearly slower than the best never is (`Outcome` 'slower': no candidate for the pick), so it is
-    stopped without its gate, which cost more than the timing (22 problems on an H100: the flash and
-    efficient backends, every one stopped early, took ~17 s of a 105-s vendor pass, mostly gating).
-    One that refuses the timing shape is gated as before (the gate says what it takes)."""
+    stopped without its gate (22 problems on an H100: the flash and efficient backends, every one
+    stopped early, took ~17 s of a 105-s vendor pass; their gates ~4 s of it, the rest drawing
+    inputs, `timing.timing_inputs`, and the short timing). One that refuses the timing shape is gated
+    as before (the gate says what it takes)."""
     if not (_bar_ms and getattr(kernel, "vendor", False) and getattr(kernel, "whole_pair", False)):
         return None
     try:

@@ -28,6 +28,9 @@ def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+# Repetitions a timing takes at least: a call of rep_ms / MIN_REPS or longer gets this many at any
+# rep_ms up to its own, so a short timing of it is as precise as a full one (`sandbox.evaluate_variant`).
+MIN_REPS = 10
 FLUSH_BYTES = 256 << 20  # as do_bench: larger than any GPU's L2, so every timed call starts cold
 SPIN_CYCLES_PER_US = 4000  # torch.cuda._sleep counts cycles: 2x an H200's 1.98 GHz, so a spin lasts long enough
 
@@ -102,7 +105,7 @@ def _device_ms_interleaved(fns: dict, warmup_ms: float, rep_ms: float, max_reps:
     for spin, estimate_ms, _ in est.values():
         # Wall time of one repetition: the call, the spin (up to 2x its nominal length), the flush.
         per_rep_ms = estimate_ms + spin / SPIN_CYCLES_PER_US * 2e-3 + 0.1
-        counts.append(int(max(10, min(max_reps, rep_ms / estimate_ms, 3 * rep_ms / per_rep_ms))))
+        counts.append(int(max(MIN_REPS, min(max_reps, rep_ms / estimate_ms, 3 * rep_ms / per_rep_ms))))
     reps = min(counts)
     for name in names:
         _, estimate_ms, host_s = est[name]

@@ -135,8 +135,8 @@ def test_a_whole_sdpa_backend_clearly_slower_is_stopped_before_its_gate(monkeypa
     assert "the gate ran" in out.message and len(gated) == 2
 
 
-@pytest.mark.parametrize("family, knobs", [("sdpa_bwd", {"BACKEND": "flash", "FORWARD": "autoflash", "BACKWARD": "sdpa"}),
-                                           ("triton_fwd", None)])
+@pytest.mark.parametrize("family, knobs", [
+    ("sdpa_bwd", {"BACKEND": "flash", "FORWARD": "autoflash", "BACKWARD": "sdpa"}), ("triton_fwd", None)])
 def test_code_of_autoflashs_own_is_gated_before_any_timing(monkeypatch, family, knobs):
     """A pair with an own half and an own kernel are never timed ungated, however slow."""
     gated = _gate_called(monkeypatch)

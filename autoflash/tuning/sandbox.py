@@ -92,8 +92,8 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
         kernel = codegen.load_for(variant, shape.head_dim_v, shape.score_variant)
         quick = _quick_before_gate(kernel, shape, device, rep_ms)
         if quick is not None and quick > _bar_ms * CLEARLY_SLOWER:
-            return Outcome("slower", ms=quick, seconds=time.perf_counter() - t0,
-                           message=f"stopped before its gate: {quick / _bar_ms:.2f}x the best so far after a short timing")
+            return Outcome("slower", ms=quick, seconds=time.perf_counter() - t0, message=(
+                f"stopped before its gate: {quick / _bar_ms:.2f}x the best so far after a short timing"))
         gate = _gate_cache.get(gate_key)
         if gate is None:
             gate = _gate_cache[gate_key] = check(kernel, shape, device)

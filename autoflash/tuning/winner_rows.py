@@ -66,7 +66,8 @@ def yardstick_twin(column: str, methods: list[str]) -> str | None:
         space = load_space(family)
         if space.vendor and space.op in ("fwd", "bwd"):
             knobs = json.loads(variant_json)
-            if knobs.get("BACKEND") == backend and knobs.get("FORWARD", "sdpa") == knobs.get("BACKWARD", "sdpa") == "sdpa":
+            whole = knobs.get("FORWARD", "sdpa") == knobs.get("BACKWARD", "sdpa") == "sdpa"
+            if knobs.get("BACKEND") == backend and whole:
                 return method
     return None
 

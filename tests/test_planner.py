@@ -420,8 +420,11 @@ def test_a_planned_run_in_the_interpreter_measures_every_problem_and_ends_in_its
     vendor = codegen.template_hash("sdpa_fwd")
     rows = list(store.db["trials"].rows)
     for s in shapes:
-        mine = [r for r in rows if r["problem"] == s.problem.key and r["status"] == "ok"]
-        assert len([r for r in mine if r["template_hash"] == vendor]) == 2  # (the CPU's flash and math)
+        measured = [r for r in rows if r["problem"] == s.problem.key and r["status"] in ("ok", "slower")]
+        # (the CPU's flash and math; one clearly slower than the other is stopped before its gate)
+        assert len([r for r in measured if r["template_hash"] == vendor]) == 2
+        mine = [r for r in measured if r["status"] == "ok"]
+        assert [r for r in mine if r["template_hash"] == vendor]  # the vendor's bar
         assert [r for r in mine if r["template_hash"] != vendor]  # a seed at least
     assert len(rows) > 3 * len(shapes)  # more than the must-haves: the budget was spent
     assert all(r.cut_short for r in results)

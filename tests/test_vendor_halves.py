@@ -118,7 +118,8 @@ def test_a_winner_with_an_sdpa_half_is_served_as_that_pair(half_sdpa_winner):
 @pytest.mark.interpreter
 def test_the_tuner_measures_pairs_with_sdpa_halves(tmp_path, monkeypatch):
     """(Vendor kernels sit out interpreted runs, where they would beat every interpreted kernel:
-    let them compete here.) Every pair the device offers is gated and timed."""
+    let them compete here.) Every pair the device offers is timed, and gated where it has an own
+    half (SDPA's whole pair of a backend clearly slower than the best is stopped before its gate)."""
     from autoflash.tuning import tuner
     from autoflash.tuning.results import TuneOptions
     from autoflash.tuning.workers import tune
@@ -130,7 +131,8 @@ def test_the_tuner_measures_pairs_with_sdpa_halves(tmp_path, monkeypatch):
     vendor = [r for r in store.db["trials"].rows if r["template_hash"] == codegen.template_hash("sdpa_bwd")]
     pairs = {(json.loads(r["variant"])["FORWARD"], json.loads(r["variant"])["BACKWARD"]) for r in vendor}
     assert pairs == {("sdpa", "sdpa"), *HALVES}
-    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in vendor), [r["message"] for r in vendor]
+    assert all(r["status"] in ("ok", "slower") and r["median_ms"] > 0 for r in vendor), [r["message"] for r in vendor]
+    assert all(r["status"] == "ok" for r in vendor if "autoflash" in r["variant"])
     store.close()
 
 

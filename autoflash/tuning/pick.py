@@ -13,7 +13,8 @@ from autoflash.tuning import sandbox
 from autoflash.tuning.results import ProblemResult, median
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.sandbox import Outcome
-from autoflash.tuning.winner_rows import is_all_vendor, is_vendor, store_winner_rows, vendor_decided, vendor_on_a_tie
+from autoflash.tuning.winner_rows import (is_all_vendor, is_vendor, store_winner_rows, vendor_decided, vendor_on_a_tie,
+                                          yardstick_twin)
 from autoflash.vendor import VENDOR_TIE_MARGIN
 
 
@@ -53,13 +54,16 @@ class PickWinner:
         paired_own = next((key for key in ok if key in top and not is_vendor(key)), None)
         if problem.op == "bwd" and paired_own:
             self.sandbox.context["training_backward"] = tuple(paired_own.split(":", 1))
+        twins = {}  # SDPA yardstick column -> the candidate that is the same call (timed once, as it)
         if not self.opt.interpret and problem.score_variant is None:  # (SDPA computes no attention variants)
-            methods += ["sdpa_cudnn", "sdpa_flash"]
+            twins = {column: yardstick_twin(column, methods) for column in ("sdpa_cudnn", "sdpa_flash")}
+            methods += [column for column, twin in twins.items() if twin is None]
         result = self.sandbox.call(self.opt.remeasure_fn or sandbox.remeasure, (
             methods, problem.op, shape, 1 if decided else self.opt.rounds, self.opt.rep_ms, self.device_str),
             self.opt.trial_timeout_s)
         samples = {} if isinstance(result, Outcome) else result["samples"]
         medians = {m: median(samples.get(m, [])) for m in methods}
+        medians.update({column: medians[twin] for column, twin in twins.items() if twin is not None})
         finite = [m for m in top if math.isfinite(medians[m]) and medians[m] > 0]
         if not finite:  # the re-measure failed: keep the stored winner, store nothing
             return ProblemResult(shape, problem, stored, {}, math.nan, measured, failed, "remeasure_failed")

@@ -58,7 +58,7 @@ COMPILE_PRIORS_S = {"gluon_sm90_fwd": 27.0}
 def costs_for(options: TuneOptions) -> Costs:
     """The planner's priors, replaced by the run's own measurements as they come: SDPA backends ~3 s a
     forward problem and a candidate ~1.5 s (an H100: 27 forward candidates in 37 s); a forward pick
-    re-times about top_k + 4 methods for `rounds` rounds, each ~1.5 rep_ms of wall time (spins,
+    re-times about top_k + 3 methods for `rounds` rounds, each ~1.5 rep_ms of wall time (spins,
     flushes), after ~1 s of set-up (an H100, the defaults: 2.2 s a forward pick, 5.5 s a backward
     one; the 4.6 s this prior said before, 11 s for a backward pick, would keep a minute of a
     22-problem run from its searches until the picks came); a backward problem's both take longer
@@ -72,9 +72,10 @@ def costs_for(options: TuneOptions) -> Costs:
 
 
 def pick_timings(options: TuneOptions) -> int:
-    """Timings in an open pick: about top_k + 4 methods (the default, the incumbent, the best vendor
-    and own candidates, SDPA's columns) for each of its rounds."""
-    return (options.top_k + 4) * options.rounds
+    """Timings in an open pick: about top_k + 3 methods (the default, the incumbent, the best vendor
+    and own candidates, SDPA's flash column; its cuDNN column is the cuDNN candidate's timing,
+    `winner_rows.yardstick_twin`) for each of its rounds."""
+    return (options.top_k + 3) * options.rounds
 
 
 def plan_of(ps) -> ProblemPlan:

@@ -13,6 +13,7 @@ import os
 import queue
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -20,16 +21,19 @@ from autoflash.device import interpreter_enabled
 from autoflash.problem import Shape
 from autoflash.reference import make_inputs
 from autoflash.space import Variant
-from autoflash.tuning.gate import check, gate_score_args, gate_shapes
+from autoflash.tuning.gate import SDPA_REFUSAL_WARNINGS, check, gate_score_args, gate_shapes
 from autoflash.reference import causal_offset_for
-from autoflash.tuning.timing import SDPA_BACKENDS, launch_callable, sdpa_callable, time_callable, time_variant
+from autoflash.tuning.timing import (MIN_REPS, SDPA_BACKENDS, launch_callable, sdpa_callable, time_callable,
+                                     time_variant, timing_inputs)
 
 
 @dataclasses.dataclass
 class Outcome:
-    """What one candidate did. status: ok | wrong | unsupported | compile_error | runtime_error | timeout |
-    crashed. `unsupported`: a vendor backend that has no kernel for any of the problem's gate
-    shapes (torch's memory-efficient backend and GQA): not offered here, which is not a failure."""
+    """What one candidate did. status: ok | slower | wrong | unsupported | compile_error | runtime_error |
+    timeout | crashed. `unsupported`: a vendor backend that has no kernel for any of the problem's gate
+    shapes (torch's memory-efficient backend and GQA): not offered here, which is not a failure.
+    `slower`: one of torch's whole SDPA backends that a short timing showed clearly slower than the
+    problem's best, stopped before its gate (`_quick_before_gate`): never a candidate for the pick."""
 
     status: str
     ms: float = float("nan")
@@ -86,6 +90,10 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
                 shape.heads_q // shape.heads_kv, shape.score, *_own_halves(variant))
     try:
         kernel = codegen.load_for(variant, shape.head_dim_v, shape.score_variant)
+        quick = _quick_before_gate(kernel, shape, device, rep_ms)
+        if quick is not None and quick > _bar_ms * CLEARLY_SLOWER:
+            return Outcome("slower", ms=quick, seconds=time.perf_counter() - t0, message=(
+                f"stopped before its gate: {quick / _bar_ms:.2f}x the best so far after a short timing"))
         gate = _gate_cache.get(gate_key)
         if gate is None:
             gate = _gate_cache[gate_key] = check(kernel, shape, device)
@@ -99,12 +107,36 @@ def evaluate_variant(variant_json: str, family: str, shape: Shape, rep_ms: float
         return Outcome("wrong", err=gate.err, sdpa_err=gate.sdpa_err, message=gate.detail,
                        seconds=time.perf_counter() - t0)
     if _bar_ms:
-        quick = time_variant(kernel, shape, device, rep_ms=rep_ms * QUICK_TIMING)
+        if quick is None:  # (a whole SDPA backend had it before its gate)
+            quick = time_variant(kernel, shape, device, rep_ms=rep_ms * QUICK_TIMING)
         if quick > _bar_ms * CLEARLY_SLOWER:
             return Outcome("ok", ms=quick, err=gate.err, sdpa_err=gate.sdpa_err, seconds=time.perf_counter() - t0,
                            message=f"stopped early: {quick / _bar_ms:.2f}x the best so far after a short timing")
+        if quick * MIN_REPS >= rep_ms:  # a call this long gets MIN_REPS repetitions in either timing: the
+            return Outcome("ok", ms=quick, err=gate.err, sdpa_err=gate.sdpa_err,  # full one would repeat it
+                           seconds=time.perf_counter() - t0)
     ms = time_variant(kernel, shape, device, rep_ms=rep_ms)
     return Outcome("ok", ms=ms, err=gate.err, sdpa_err=gate.sdpa_err, seconds=time.perf_counter() - t0)
+
+
+def _quick_before_gate(kernel, shape: Shape, device, rep_ms: float) -> float | None:
+    """The short timing of one of torch's whole SDPA backends (no half of autoflash's), taken before
+    its gate where there is a best so far to stop it at; None for every other candidate (gated first).
+
+    Such a backend is the vendor's own code, and what its gate is for is to let it be served: one
+    clearly slower than the best never is (`Outcome` 'slower': no candidate for the pick), so it is
+    stopped without its gate (22 problems on an H100: the flash and efficient backends, every one
+    stopped early, took ~17 s of a 105-s vendor pass; their gates ~4 s of it, the rest drawing
+    inputs, `timing.timing_inputs`, and the short timing). One that refuses the timing shape is gated
+    as before (the gate says what it takes)."""
+    if not (_bar_ms and getattr(kernel, "vendor", False) and getattr(kernel, "whole_pair", False)):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SDPA_REFUSAL_WARNINGS, category=UserWarning)
+            return time_variant(kernel, shape, device, rep_ms=rep_ms * QUICK_TIMING)
+    except (RuntimeError, ValueError):  # (refused: "No available kernel", or inputs it cannot take)
+        return None
 
 
 def _gate_and_timing_inputs(shape: Shape, device):
@@ -114,7 +146,12 @@ def _gate_and_timing_inputs(shape: Shape, device):
         q, k, v = make_inputs(gs, device, seed=i, layout="bnhd" if i % 2 else "bhnd")
         configs.append((q, k, v, causal_offset_for(gs, "bottom_right" if i % 2 else "top_left"),
                         gate_score_args(shape, gs, device)))
-    q, k, v = make_inputs(shape, device, seed=1234)
+    # The timing shape's: only their types, layout and sizes make the binaries (drawn at full size, as
+    # `timing.timing_inputs` draws them, they cost each compile up to a second of the pool's CPU time).
+    q, k, v = (torch.empty((shape.batch, heads, n, d), device=device, dtype=getattr(torch, shape.dtype))
+               for heads, n, d in ((shape.heads_q, shape.seqlen_q, shape.head_dim),
+                                   (shape.heads_kv, shape.seqlen_k, shape.head_dim),
+                                   (shape.heads_kv, shape.seqlen_k, shape.value_dim)))
     configs.append((q, k, v, 0, None if shape.score is None else shape.score.args(q.shape[1], device)))
     return configs
 
@@ -146,7 +183,7 @@ def remeasure(methods: list[str], op: str, shape: Shape, rounds: int, rep_ms: fl
     'sdpa_flash'. Returns {method: [ms per round]} (NaN where a method refused)."""
     from autoflash import codegen
     device = torch.device(device_str)
-    q, k, v = make_inputs(shape, device, seed=99)
+    q, k, v = timing_inputs(shape, device)  # (the trials' own, where this worker still holds them)
     fns = {}
     for m in methods:
         if m in SDPA_COLUMNS:  # the yardstick columns ("sdpa_fwd:{...}" is a vendor family's candidate)

@@ -220,6 +220,9 @@ class Tuner(PickWinner):
         best = ps.best_ms(ps.valid)
         batch_size = self.compilers and self.opt.compile_workers or 1
         waits, later_waits, idle_s, measure_s, new, carried = [], [], 0.0, 0.0, 0, False
+        # Candidates taken that had counted already: each batch is asked for as if its every candidate
+        # counted, so each such one leaves a place in the step's budget for a new candidate.
+        recounted = 0
 
         def time_left() -> bool:
             return deadline is None or (force and not new) or self.clock() < deadline
@@ -275,6 +278,7 @@ class Tuner(PickWinner):
                 row, outcome = self._measure(variant, c, shape, thash)
                 measure_s += self.clock() - t0
                 key = variant.json()
+                recounted += key in counted  # (a killed run's trial stored, not told: queued again by its study)
                 counted.add(key)
                 if row is None:  # in this DB already: a concurrent tuner's claim or measurement (shared, and
                     # never asked for again), or a killed run's that its study queued again: answered from the DB
@@ -302,6 +306,13 @@ class Tuner(PickWinner):
                 if pending is not None:
                     self._carry_over(study, pending[0])
                 break
+            if pending is None and recounted and not carried and len(counted) < budget:
+                # The step's last batch had candidates counted before (answered from the DB): their
+                # places go to new ones. (Ended here, a resumed step of one candidate, that killed
+                # run's trial queued again, measured nothing and was taken for an exhausted search:
+                # the problem's trial budget was never completed.)
+                recounted = 0
+                pending = next_batch(min(batch_size, budget - len(counted)))
         self.sandbox.context["bar_ms"] = None
         ps.counted[family] = len(counted)
         # Exhausted: nothing new was measured, and not for want of time (the space, or the study's

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from autoflash import codegen
-from autoflash.space import families_for, load_space
+from autoflash.space import FAMILIES, families_for, load_space
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.timing import tflops
 from autoflash.tuning.plan_costs import DECIDED_MARGIN
@@ -50,6 +50,26 @@ def vendor_decided(ok: list[str], done: dict) -> list[str] | None:
     if not vendors or (mine and done[mine[0]]["median_ms"] < done[vendors[0]]["median_ms"] * (1 + DECIDED_MARGIN)):
         return None
     return list(dict.fromkeys([vendors[0], *mine[:1], *[key for key in mine if not is_vendor(key)][:1]]))
+
+
+def yardstick_twin(column: str, methods: list[str]) -> str | None:
+    """The method among `methods` that makes the very call an SDPA yardstick column ('sdpa_cudnn',
+    'sdpa_flash': `timing.sdpa_callable`) times: its backend's vendor candidate, whole (the forward, or
+    forward and backward through torch autograd); None where none is. The pick times such a column
+    once, as that candidate (the cuDNN column beside the cuDNN candidate was the same kernel timed
+    twice in every round of nearly every pick)."""
+    backend = column.removeprefix("sdpa_")
+    for method in methods:
+        family, _, variant_json = method.partition(":")
+        if family not in FAMILIES or not variant_json:
+            continue
+        space = load_space(family)
+        if space.vendor and space.op in ("fwd", "bwd"):
+            knobs = json.loads(variant_json)
+            whole = knobs.get("FORWARD", "sdpa") == knobs.get("BACKWARD", "sdpa") == "sdpa"
+            if knobs.get("BACKEND") == backend and whole:
+                return method
+    return None
 
 
 def pairs_with_own_backward(method: str) -> bool:

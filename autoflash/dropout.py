@@ -12,6 +12,7 @@ the kernels draw element (b, h, i, j) of Z from Philox at (seed, offset + ((b * 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -130,6 +131,12 @@ def unsupported(q, k, v, p: float, scale, training: bool, score: ScoreArgs | Non
 
     if torch.compiler.is_compiling():
         return "traced by torch.compile: dropout in the kernels has no registered op yet"
+    if q.is_cuda and os.environ.get("AUTOFLASH_DROPOUT_KERNELS", "0").strip() != "1":
+        # Measured on an H100 (benchmarks/dropin_speed.py, 2026-12-06): the training pair with dropout 0.1
+        # on the own kernels ran at 0.32x (BERT-large) and 0.34x (Llama-3-8B) of SDPA-cuDNN's; torch keeps
+        # these calls until the kernels are faster (the Philox draws, untuned kernels).
+        return ("dropout on the GPU runs in torch: autoflash's dropout kernels are slower than SDPA's so far "
+                "(AUTOFLASH_DROPOUT_KERNELS=1 serves them)")
     if not 0.0 < p < 1.0:
         return f"dropout_p={p} (the kernels drop with 0 < dropout_p < 1)"
     if q.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -259,6 +259,7 @@ def test_the_drop_ins_serve_dropout_on_the_kernels_with_its_gradient(form, monke
     from autoflash import dropout
 
     _strict(monkeypatch)
+    monkeypatch.setenv("AUTOFLASH_DROPOUT_KERNELS", "1")  # (on the GPU, dropout runs in torch by default)
     seeds = []
     real_draw = dropout.draw
     monkeypatch.setattr(dropout, "draw", lambda p, device=None: seeds.append(real_draw(p, device)) or seeds[-1])
@@ -314,6 +315,7 @@ def test_packed_sequences_drop_sequence_by_sequence_on_the_kernels(monkeypatch):
     from autoflash import dropout
 
     _strict(monkeypatch)
+    monkeypatch.setenv("AUTOFLASH_DROPOUT_KERNELS", "1")  # (on the GPU, dropout runs in torch by default)
     seeds = []
     real_draw = dropout.draw
     monkeypatch.setattr(dropout, "draw", lambda p, device=None: seeds.append(real_draw(p, device)) or seeds[-1])
@@ -442,6 +444,7 @@ def test_bf16_dropout_on_the_gpu_against_float64_with_the_same_mask(causal, monk
     from autoflash import dropout
 
     _strict(monkeypatch)
+    monkeypatch.setenv("AUTOFLASH_DROPOUT_KERNELS", "1")  # (on the GPU, dropout runs in torch by default)
     seeds = []
     real_draw = dropout.draw
     monkeypatch.setattr(dropout, "draw", lambda p, device=None: seeds.append(real_draw(p, device)) or seeds[-1])
@@ -472,6 +475,7 @@ def test_flash_attn_func_drops_with_a_window_softcap_or_alibi_on_the_kernels(nam
     from autoflash import dropout, eager
 
     _strict(monkeypatch)
+    monkeypatch.setenv("AUTOFLASH_DROPOUT_KERNELS", "1")  # (on the GPU, dropout runs in torch by default)
     seeds = []
     real_draw = dropout.draw
     monkeypatch.setattr(dropout, "draw", lambda p, device=None: seeds.append(real_draw(p, device)) or seeds[-1])
@@ -504,3 +508,21 @@ def test_flash_attn_func_drops_with_a_window_softcap_or_alibi_on_the_kernels(nam
     for mine, want in zip(torch.autograd.grad(out, (q, k, v), grad),
                           torch.autograd.grad(ref, leaves, grad.double().transpose(1, 2))):
         assert rel_error(mine, want.transpose(1, 2)) <= 1e-5
+
+
+class _CudaLike:
+    """Just enough of a CUDA tensor for the dropout policy (it reads `is_cuda` first)."""
+
+    is_cuda = True
+
+
+def test_dropout_on_the_gpu_runs_in_torch_unless_the_kernels_are_asked_for(monkeypatch):
+    """On a GPU the own dropout kernels measured 0.32-0.34x SDPA-cuDNN's training pair: torch keeps
+    those calls (a reason the fallback says), AUTOFLASH_DROPOUT_KERNELS=1 serves the kernels."""
+    from autoflash import dropout
+
+    monkeypatch.delenv("AUTOFLASH_DROPOUT_KERNELS", raising=False)
+    why = dropout.unsupported(_CudaLike(), None, None, 0.1, None, training=True)
+    assert "runs in torch" in why and "AUTOFLASH_DROPOUT_KERNELS=1" in why
+    monkeypatch.setenv("AUTOFLASH_DROPOUT_KERNELS", "1")  # past the policy: the next check speaks (p = 1)
+    assert "dropout_p=1.0" in dropout.unsupported(_CudaLike(), None, None, 1.0, None, training=True)

@@ -49,28 +49,6 @@ class Node:
             _refuse(f"`{op}` combines masks (comparisons); on numbers use arithmetic")
         return Node(op, (a, b), boolean or op in ("&", "|"))
 
-    __add__ = lambda s, o: s._bin("+", o)  # noqa: E731
-    __radd__ = lambda s, o: s._bin("+", o, True)  # noqa: E731
-    __sub__ = lambda s, o: s._bin("-", o)  # noqa: E731
-    __rsub__ = lambda s, o: s._bin("-", o, True)  # noqa: E731
-    __mul__ = lambda s, o: s._bin("*", o)  # noqa: E731
-    __rmul__ = lambda s, o: s._bin("*", o, True)  # noqa: E731
-    __truediv__ = lambda s, o: s._bin("/", o)  # noqa: E731
-    __rtruediv__ = lambda s, o: s._bin("/", o, True)  # noqa: E731
-    __floordiv__ = lambda s, o: s._bin("//", o)  # noqa: E731
-    __rfloordiv__ = lambda s, o: s._bin("//", o, True)  # noqa: E731
-    __mod__ = lambda s, o: s._bin("%", o)  # noqa: E731
-    __rmod__ = lambda s, o: s._bin("%", o, True)  # noqa: E731
-    __and__ = lambda s, o: s._bin("&", o)  # noqa: E731
-    __rand__ = lambda s, o: s._bin("&", o, True)  # noqa: E731
-    __or__ = lambda s, o: s._bin("|", o)  # noqa: E731
-    __ror__ = lambda s, o: s._bin("|", o, True)  # noqa: E731
-    __lt__ = lambda s, o: s._bin("<", o, boolean=True)  # noqa: E731
-    __le__ = lambda s, o: s._bin("<=", o, boolean=True)  # noqa: E731
-    __gt__ = lambda s, o: s._bin(">", o, boolean=True)  # noqa: E731
-    __ge__ = lambda s, o: s._bin(">=", o, boolean=True)  # noqa: E731
-    __eq__ = lambda s, o: s._bin("==", o, boolean=True)  # noqa: E731
-    __ne__ = lambda s, o: s._bin("!=", o, boolean=True)  # noqa: E731
     __hash__ = object.__hash__
 
     def __pow__(self, other):
@@ -139,6 +117,15 @@ class Node:
             return ~wrap(args[0])
         return Node(name, (wrap(args[0]),))
 
+
+# Python's operators on a traced value record nodes: each arithmetic/logic one and its reflected form
+# (operands swapped), and the comparisons (boolean nodes).
+_OPERATORS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "and": "&", "or": "|"}
+for _name, _op in _OPERATORS.items():
+    setattr(Node, f"__{_name}__", lambda s, o, _op=_op: s._bin(_op, o))
+    setattr(Node, f"__r{_name}__", lambda s, o, _op=_op: s._bin(_op, o, True))
+for _name, _op in {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}.items():
+    setattr(Node, f"__{_name}__", lambda s, o, _op=_op: s._bin(_op, o, boolean=True))
 
 UNARY = ("tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "abs", "sin", "cos", "neg")
 TORCH_OPS = {getattr(torch, n): n for n in UNARY if hasattr(torch, n)} | {

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import warnings
@@ -60,6 +61,13 @@ def attention_flops(pairs, heads, head_dim, causal) -> float:
     return total
 
 
+def record(results: list, part: str, timed: dict, flops: float, **fields) -> dict:
+    """One JSON row: the case's fields, each method's median ms and TFLOP/s."""
+    row = {"part": part, **fields, "ms": timed, "tflops": {m: flops / t / 1e9 for m, t in timed.items()}}
+    results.append(row)
+    return row
+
+
 # ----------------------------------------------------------------------------- deterministic
 def deterministic(results: list) -> None:
     for batch, n, heads, kv, d in ((4, 2048, 32, 8, 128), (8, 1024, 16, 16, 64)):
@@ -94,11 +102,9 @@ def deterministic(results: list) -> None:
         varlen_equal = all(all(torch.equal(a, b) for a, b in zip(vfirst, varlen_grads())) for _ in range(99))
         timed = interleaved({"default": lambda: pair(False), "deterministic": lambda: pair(True)})
         flops = 3.5 * attention_flops([(n, n)] * batch, heads, d, True)
-        row = {"part": "deterministic", "batch": batch, "seqlen": n, "heads_q": heads, "heads_kv": kv, "head_dim": d,
-               "causal": True, "repeats": 100, "dense_bitwise_equal": repeats_equal, "varlen_bitwise_equal": varlen_equal,
-               "ms": timed, "tflops": {m: flops / t / 1e9 for m, t in timed.items()},
-               "slowdown": timed["deterministic"] / timed["default"]}
-        results.append(row)
+        row = record(results, "deterministic", timed, flops, batch=batch, seqlen=n, heads_q=heads, heads_kv=kv,
+                     head_dim=d, causal=True, repeats=100, dense_bitwise_equal=repeats_equal,
+                     varlen_bitwise_equal=varlen_equal, slowdown=timed["deterministic"] / timed["default"])
         print(f"deterministic B{batch} {n} {heads}/{kv} d{d}: 100 backward passes bitwise equal dense "
               f"{repeats_equal}, varlen {varlen_equal}; pair {timed['default']:.3f} ms default, "
               f"{timed['deterministic']:.3f} ms deterministic ({row['slowdown']:.3f}x)")
@@ -144,11 +150,9 @@ def paged(results: list) -> None:
             with torch.no_grad():
                 same = torch.equal(contiguous(), paged_call())
                 timed = interleaved({"contiguous": contiguous, "paged": paged_call})
-            row = {"part": "paged_prefill", "batch": batch, "queries": chunk, "cached": cached, "page": page,
-                   "heads_q": heads, "heads_kv": kv, "head_dim": d, "causal": True, "outputs_equal": same, "ms": timed,
-                   "tflops": {m: flops / t / 1e9 for m, t in timed.items()},
-                   "paged_vs_contiguous": timed["contiguous"] / timed["paged"]}
-            results.append(row)
+            row = record(results, "paged_prefill", timed, flops, batch=batch, queries=chunk, cached=cached, page=page,
+                         heads_q=heads, heads_kv=kv, head_dim=d, causal=True, outputs_equal=same,
+                         paged_vs_contiguous=timed["contiguous"] / timed["paged"])
             print(f"paged prefill B{batch} {chunk} new vs {cached}+ cached, {page}-token pages: outputs equal {same}; "
                   f"contiguous {timed['contiguous']:.3f} ms, paged {timed['paged']:.3f} ms "
                   f"({row['paged_vs_contiguous']:.3f}x)")
@@ -156,6 +160,7 @@ def paged(results: list) -> None:
 
 # ----------------------------------------------------------------------------- dropout
 def dropout(results: list) -> None:
+    os.environ["AUTOFLASH_DROPOUT_KERNELS"] = "1"  # (the kernels; on a GPU dropout runs in torch by default)
     # BERT-large (16 heads, d64, 512 tokens, batch 32, not causal) and Llama-3-8B (32/8 heads, d128, 2k, causal)
     for name, batch, n, heads, kv, d, causal in (("bert-large", 32, 512, 16, 16, 64, False),
                                                  ("llama-3-8b", 4, 2048, 32, 8, 128, True)):
@@ -183,11 +188,9 @@ def dropout(results: list) -> None:
         timed = interleaved(fns)
         flops = 3.5 * attention_flops([(n, n)] * batch, heads, d, causal)
         best = min((m for m in timed if m.startswith("sdpa")), key=timed.get)
-        row = {"part": "dropout", "model": name, "batch": batch, "seqlen": n, "heads_q": heads, "heads_kv": kv,
-               "head_dim": d, "causal": causal, "dropout_p": 0.1, "ms": timed,
-               "tflops": {m: flops / t / 1e9 for m, t in timed.items()}, "best_sdpa": best, "fallback": fell_back,
-               "vs_best_sdpa": timed[best] / timed["autoflash"]}
-        results.append(row)
+        row = record(results, "dropout", timed, flops, model=name, batch=batch, seqlen=n, heads_q=heads, heads_kv=kv,
+                     head_dim=d, causal=causal, dropout_p=0.1, best_sdpa=best, fallback=fell_back,
+                     vs_best_sdpa=timed[best] / timed["autoflash"])
         print(f"dropout 0.1 {name}: autoflash {timed['autoflash']:.3f} ms, best SDPA ({best}) {timed[best]:.3f} ms: "
               f"{row['vs_best_sdpa']:.3f}x" + (f" (torch fallback: {fell_back[0]})" if fell_back else " (kernels)"))
 

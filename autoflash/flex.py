@@ -9,9 +9,11 @@ on the generated kernels.
 
 Each function is traced once into Triton statements (`autoflash.score_mods`: what it may use, and the
 error naming its line for what it may not) and rendered into the forward kernel, a kernel per distinct
-function (its code's hash is in the kernel's name and problem key). What the kernels do not run yet goes
-to torch with a `FallbackWarning` (an error under AUTOFLASH_STRICT=1), computing the same functions on
-the materialized scores: a call that needs gradients, dropout, a mod combined with the built-in variants.
+function (its code's hash is in the kernel's name and problem key). What the kernels do not run goes to
+torch with a `FallbackWarning` naming the reason (an error under AUTOFLASH_STRICT=1), computing the same
+functions on the materialized scores: a call that needs gradients, a function with a construct the
+tracer refuses (its line named: a Python branch on a traced value, a tensor indexed by one, ...), more
+than 65535 batch x heads.
 Every KV tile of such a kernel is masked (no block skipping for a mask_mod yet: the cost is that of full
 attention, whatever the mask leaves out).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from autoflash import fallback, score_mods, variant_forward
+from autoflash.codegen import GRID_AXIS_MAX
 from autoflash.score_variant import ScoreArgs
 from autoflash.validate import softmax_scale_or_default
 
@@ -37,10 +40,17 @@ def flex_attention(query, key, value, score_mod=None, mask_mod=None, *, scale=No
         raise ValueError(f"{query.shape[1]} query heads and {key.shape[1]} key heads: pass enable_gqa=True")
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"{key.shape[1]} key heads do not divide {query.shape[1]} query heads")
-    args = ScoreArgs(score_mod=score_mods.trace_score_mod(score_mod) if score_mod is not None else None,
-                     mask_mod=score_mods.trace_mask_mod(mask_mod) if mask_mod is not None else None)
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    why = "gradients of a user's score or mask function (the backward kernels take none yet)" if training else None
+    why = None
+    try:
+        args = ScoreArgs(score_mod=score_mods.trace_score_mod(score_mod) if score_mod is not None else None,
+                         mask_mod=score_mods.trace_mask_mod(mask_mod) if mask_mod is not None else None)
+    except score_mods.ScoreModError as e:  # (what the kernels cannot run, named by its line: torch runs it)
+        why = str(e)
+    if why is None and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        why = "gradients of a user's score or mask function (the backward kernels take none yet)"
+    if why is None and query.shape[0] * query.shape[1] > GRID_AXIS_MAX:
+        # (such a call is launched in batch slices, whose kernels count b from 0 again)
+        why = f"batch x heads above {GRID_AXIS_MAX} with a user's score or mask function"
     if why is None:
         served, why = variant_forward.serve(query, key, value, 0.0, scale, False, 0, args, training=False)
         if served is not None:

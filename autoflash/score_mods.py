@@ -295,9 +295,13 @@ def _emit(root: Node, names: dict[str, str], out: str) -> list[str]:
 
 
 def _power(x: str, p) -> str:
-    if isinstance(p, int) and 0 <= p <= 4:
-        return "(" + (" * ".join([x] * p) or "1.0") + ")"
-    return f"tl.math.exp2(tl.log2({x}) * {float(p)!r})"  # x > 0, as a real power needs
+    """x ** p: a whole exponent (an int, or a float with no fraction) as products, which keeps the sign of
+    a negative base; any other through exp2/log2 (NaN for a negative base, as torch's real power gives)."""
+    if float(p).is_integer() and abs(p) <= 16:
+        n = int(abs(p))
+        product = "(" + (" * ".join([x] * n) if n else f"({x} * 0.0 + 1.0)") + ")"
+        return f"(1.0 / {product})" if p < 0 else product
+    return f"tl.math.exp2(tl.log2({x}) * {float(p)!r})"
 
 
 # ----------------------------------------------------------------------------- the derivative

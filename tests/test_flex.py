@@ -11,7 +11,7 @@ import autoflash
 from autoflash import api
 from autoflash.fallback import FallbackError, FallbackWarning
 from autoflash.flex import eager
-from autoflash.score_mods import ScoreModError
+from autoflash.score_mods import trace_score_mod
 from conftest import HAS_GPU
 
 
@@ -107,15 +107,52 @@ def test_a_call_with_gradients_falls_back_with_a_warning_and_right_gradients(mon
         autoflash.flex_attention(q, k, v, relative, causal)
 
 
-def test_functions_the_kernels_cannot_run_are_refused_naming_the_line():
+def test_functions_the_kernels_cannot_run_go_to_torch_naming_the_line(monkeypatch):
+    """A construct the tracer refuses: torch computes the call (one warning naming the function's line),
+    AUTOFLASH_STRICT=1 turns it into an error; a document mask (a table indexed by positions) likewise."""
     def branchy(score, b, h, q_idx, kv_idx):
         return score if q_idx > kv_idx else -score
 
+    documents = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+
+    def same_document(b, h, q_idx, kv_idx):
+        return documents[q_idx] == documents[kv_idx]
+
     q, k, v = inputs(1, 1, 1, 8, 8, 16, torch.float32, "cpu")
-    with pytest.raises(ScoreModError, match=r"branchy, line \d+ \(return score if q_idx > kv_idx else -score\)"):
+    monkeypatch.delenv("AUTOFLASH_STRICT", raising=False)
+    with pytest.warns(FallbackWarning, match=r"same_document, line \d+ \(return documents\[q_idx\]"):
+        out = autoflash.flex_attention(q, k, v, mask_mod=same_document)
+    want, _ = eager(q.double(), k.double(), v.double(), None, lambda b, h, i, j: documents[i] == documents[j], 0.25)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    api.reset()
+    with pytest.raises(FallbackError, match=r"branchy, line \d+ \(return score if q_idx > kv_idx else -score\)"):
         autoflash.flex_attention(q, k, v, branchy)
     with pytest.raises(ValueError, match="enable_gqa"):
         autoflash.flex_attention(q, k[:, :0], v[:, :0])
+
+
+def test_powers_keep_the_sign_of_a_negative_base():
+    """x ** 2.0, x ** 3 and x ** -1 as products (exp2/log2 would give NaN for negative scores)."""
+    import math
+
+    traced = trace_score_mod(lambda s, b, h, q, k: s ** 2.0 + (q - k) ** 3 + s ** -1 + s ** 0.0)
+    assert "log2" not in "\n".join(traced.lines({a: a for a in ("score", "b", "h", "q_idx", "kv_idx")}, "out"))
+    score = torch.tensor([[-2.0, -0.5, 3.0]])
+    env = {"tl": None, "score": score, "b": 0, "h": 0, "q_idx": torch.tensor([[1]]), "kv_idx": torch.tensor([[0, 2, 5]])}
+    exec("\n".join(traced.lines({a: a for a in env if a != "tl"}, "out")), env)  # noqa: S102
+    want = score ** 2 + (env["q_idx"] - env["kv_idx"]) ** 3 + 1 / score + 1
+    assert not math.isnan(env["out"].sum().item())
+    torch.testing.assert_close(env["out"], want)
+
+
+def test_a_backward_key_with_a_user_function_is_refused():
+    from autoflash.problem import Problem
+
+    key = f"bwd/bfloat16/d64/causal/g1/q1024/k1024/{trace_score_mod(relative).key}"
+    with pytest.raises(ValueError, match="forward key only"):
+        Problem.from_key(key)
+    assert Problem.from_key(key.replace("bwd/", "fwd/", 1)).key == key.replace("bwd/", "fwd/", 1)
 
 
 def test_each_function_is_its_own_kernel(tmp_path, monkeypatch):

@@ -220,9 +220,7 @@ class Tuner(PickWinner):
         best = ps.best_ms(ps.valid)
         batch_size = self.compilers and self.opt.compile_workers or 1
         waits, later_waits, idle_s, measure_s, new, carried = [], [], 0.0, 0.0, 0, False
-        # Candidates taken that had counted already: each batch is asked for as if its every candidate
-        # counted, so each such one leaves a place in the step's budget for a new candidate.
-        recounted = 0
+        recounted = 0  # candidates taken that had counted already: each leaves its place to a new one
 
         def time_left() -> bool:
             return deadline is None or (force and not new) or self.clock() < deadline
@@ -266,8 +264,7 @@ class Tuner(PickWinner):
                 idle_s += waited  # (the GPU waits on the compile pool)
                 (later_waits if waits else waits).append(waited)
                 if pending is None and j == 0 and not stop:
-                    # The next batch compiles behind this one while this one is measured: each
-                    # candidate is measured as soon as its own compile is done.
+                    # the next batch compiles while this one is measured (each as soon as its compile is done)
                     pending = next_batch(min(batch_size, budget - len(counted) - len(batch)))
                 if stop or not time_left():
                     self._carry_over(study, batch[j:])
@@ -290,10 +287,8 @@ class Tuner(PickWinner):
                     continue
                 mine[key] = done[f"{family}:{key}"] = row
                 self.total_measured += 1
-                if space.vendor:
-                    self.vendor_measured += 1
-                else:
-                    self.own_measured += 1
+                self.vendor_measured += bool(space.vendor)
+                self.own_measured += not space.vendor
                 new += 1
                 if outcome.status == "ok" and math.isfinite(outcome.ms):
                     _tell(study, trial, outcome.ms)
@@ -307,25 +302,21 @@ class Tuner(PickWinner):
                     self._carry_over(study, pending[0])
                 break
             if pending is None and recounted and not carried and len(counted) < budget:
-                # The step's last batch had candidates counted before (answered from the DB): their
-                # places go to new ones. (Ended here, a resumed step of one candidate, that killed
-                # run's trial queued again, measured nothing and was taken for an exhausted search:
-                # the problem's trial budget was never completed.)
+                # (Ended here, a resumed one-candidate step, whose killed run's trial was queued again,
+                # measured nothing and was taken for an exhausted search: the budget never completed.)
                 recounted = 0
                 pending = next_batch(min(batch_size, budget - len(counted)))
         self.sandbox.context["bar_ms"] = None
         ps.counted[family] = len(counted)
-        # Exhausted: nothing new was measured, and not for want of time (the space, or the study's
-        # budget that workers share, has nothing left to give).
+        # exhausted: nothing new, and not for want of time (the space or the shared study gives no more)
         exhausted = not new and not carried and (deadline is None or self.clock() < deadline)
         return {"measured": len(counted), "best_ms": ps.best_ms([family]), "wait_s": waits[0] if waits else None,
                 "per_s": (measure_s + sum(later_waits)) / new if new else None, "exhausted": exhausted,
                 "idle_s": idle_s, "new": new}
 
     def _carry_over(self, study, batch: list) -> None:
-        """Candidates asked for but not measured (the deadline came first) are failed in the study
-        (the sampler ignores failed trials: no verdict on them) and queued again, first in line for
-        the search's next turn: their compile is never thrown away."""
+        """Candidates asked for but not measured (the deadline came first): failed in the study (no verdict
+        for the sampler) and queued again, first in line for the next turn: no compile thrown away."""
         if study is None:
             return  # (a brute-force queue is rebuilt from the DB: they are still unmeasured there)
         for trial, variant in batch:
@@ -336,8 +327,7 @@ class Tuner(PickWinner):
         """(Optuna study, None), or (None, candidate queue) when the whole space fits the budget."""
         valid, problem = ps.valid[family], ps.problem
         if len(valid) <= budget:
-            # Brute force: no sampler; the seeds first (the stored winner, a neighbour's, the
-            # default), then the declared order. (The DB alone makes this resumable.)
+            # brute force: the seeds first (stored winner, a neighbour's, default), then the declared order
             return None, list(dict.fromkeys(ps.seeds.get(family, []) + valid))
         study = optuna.create_study(
             study_name=f"{self.gpu_key}|{problem.key}|{thash}", storage=self.journal, direction="minimize",
@@ -372,9 +362,8 @@ class Tuner(PickWinner):
         return batch
 
     def _measure(self, variant: Variant, compiled: Outcome, shape: Shape, thash: str):
-        """Claim the candidate in the DB, gate and time it in the sandbox (unless its compile
-        failed), record the outcome: (trial row, outcome), or (None, None) when another tuner on
-        this DB has claimed it."""
+        """Claim the candidate in the DB, gate and time it in the sandbox (unless its compile failed), record
+        it: (trial row, outcome), or (None, None) when another tuner on this DB has claimed it."""
         claim = self.store.claim_trial(run_id=self.run_id, gpu_key=self.gpu_key, problem=shape.problem,
                                        template_hash=thash, variant_json=variant.json(),
                                        shape=shape.as_dict())

@@ -14,7 +14,7 @@ from autoflash.device import GPUFingerprint
 from autoflash.problem import Problem
 from autoflash.serving_policy import Evidence
 from autoflash.space import InvalidVariant, Variant, load_space
-from autoflash.vendor import VENDOR_TIE_MARGIN, runs_own_half
+from autoflash.vendor import runs_own_half, tie_margin
 
 log = logging.getLogger("autoflash")
 
@@ -96,9 +96,10 @@ class WinnerTable:
             ms = row.get("median_ms") if isinstance(row.get("median_ms"), (int, float)) else math.inf
             vendor = load_space(family).vendor
             # Between families own code (an own kernel, or a vendor pair with an own half) must beat
-            # an all-vendor kernel by the tie margin (see vendor.py).
+            # an all-vendor kernel by the tie margin, or its measured spread where wider (vendor.py).
             all_vendor = vendor and not runs_own_half(variant.as_dict())
-            tables = [(self.rows, self.origins, self._ms, decided, ms if all_vendor else ms * (1 + VENDOR_TIE_MARGIN))]
+            rank = ms if all_vendor else ms * (1 + tie_margin(row.get("spread")))
+            tables = [(self.rows, self.origins, self._ms, decided, rank)]
             if not vendor:
                 tables.append((self.own_rows, self.own_origins, self._own_ms, own_decided, ms))
             for winners, origins, medians, done, rank in tables:

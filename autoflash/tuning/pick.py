@@ -15,7 +15,7 @@ from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.sandbox import Outcome
 from autoflash.tuning.winner_rows import (is_all_vendor, is_vendor, store_winner_rows, vendor_decided, vendor_on_a_tie,
                                           yardstick_twin)
-from autoflash.vendor import VENDOR_TIE_MARGIN
+from autoflash.vendor import tie_margin
 
 
 class PickWinner:
@@ -78,7 +78,7 @@ class PickWinner:
                 and medians[incumbent] <= medians[winner_key] * (1 + band)):
             winner_key = incumbent
             spread = spread_of(samples.get(winner_key, []))
-        if (tie := vendor_on_a_tie(winner_key, finite, medians)) != winner_key:
+        if (tie := vendor_on_a_tie(winner_key, finite, medians, samples)) != winner_key:
             winner_key, spread = tie, spread_of(samples.get(tie, []))
         ms = {"tuned": medians[winner_key], "default": medians.get(default_key, math.nan),
               "sdpa_cudnn": medians.get("sdpa_cudnn", math.nan), "sdpa_flash": medians.get("sdpa_flash", math.nan)}
@@ -143,10 +143,10 @@ class PickWinner:
         """The stored winner served for this problem, when it passed this run's gate: of the rows of
         the current families the fastest, as the dispatcher picks (after a vendor win the best own
         kernel is stored beside it, and is not the incumbent)."""
-        rows = [(row["median_ms"], f"{family}:{row['variant']}") for family in families_for(problem.op)
+        rows = [(row["median_ms"], row.get("spread"), f"{family}:{row['variant']}") for family in families_for(problem.op)
                 for row in [self.store.winner(self.gpu_key, problem.key, codegen.template_hash(family))]
                 if row and isinstance(row.get("median_ms"), (int, float))]
         # Ranked as the dispatcher ranks them: own code pays the tie margin against SDPA's whole kernels.
-        served = min(((ms if is_all_vendor(key) else ms * (1 + VENDOR_TIE_MARGIN), key) for ms, key in rows),
+        served = min(((ms if is_all_vendor(key) else ms * (1 + tie_margin(spread)), key) for ms, spread, key in rows),
                      default=None)
         return served[1] if served and served[1] in passed else None

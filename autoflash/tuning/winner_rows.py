@@ -12,7 +12,7 @@ from autoflash.space import FAMILIES, families_for, load_space
 from autoflash.tuning.results import spread as spread_of
 from autoflash.tuning.timing import tflops
 from autoflash.tuning.plan_costs import DECIDED_MARGIN
-from autoflash.vendor import VENDOR_TIE_MARGIN, runs_own_half
+from autoflash.vendor import runs_own_half, tie_margin
 
 
 def is_vendor(method: str) -> bool:
@@ -25,15 +25,17 @@ def is_all_vendor(method: str) -> bool:
     return is_vendor(method) and not runs_own_half(json.loads(method.partition(":")[2]))
 
 
-def vendor_on_a_tie(winner_key: str, finite: list[str], medians: dict) -> str:
+def vendor_on_a_tie(winner_key: str, finite: list[str], medians: dict, samples: dict) -> str:
     """The method to store: the fastest all-vendor candidate where the fastest one with own code (an
-    own kernel, or a vendor pair with an own half) beats it by no more than the tie margin (the
-    dispatcher ranks stored rows the same way), else `winner_key`."""
+    own kernel, or a vendor pair with an own half) beats it by no more than the tie margin, widened
+    to the two candidates' round-to-round spreads (`vendor.tie_margin`; the dispatcher ranks stored
+    rows the same way, with the row's spread), else `winner_key`."""
     vendors = [m for m in finite if is_all_vendor(m)]
     if not vendors or is_all_vendor(winner_key):
         return winner_key
     vendor_key = min(vendors, key=lambda m: medians[m])
-    return vendor_key if medians[vendor_key] <= medians[winner_key] * (1 + VENDOR_TIE_MARGIN) else winner_key
+    margin = tie_margin(spread_of(samples.get(winner_key, [])), spread_of(samples.get(vendor_key, [])))
+    return vendor_key if medians[vendor_key] <= medians[winner_key] * (1 + margin) else winner_key
 
 
 def vendor_decided(ok: list[str], done: dict) -> list[str] | None:

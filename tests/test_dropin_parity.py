@@ -3,6 +3,7 @@ positionally, every argument at a non-default value, gives a float64 reference's
 error (never the answer of another argument's place). CPU: Triton's interpreter, float32."""
 
 import inspect
+import itertools
 import math
 
 import pytest
@@ -202,6 +203,55 @@ def test_varlen_block_table_reads_the_pages():
     assert close(paged, autoflash.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).double(), 1e-6)
     with pytest.raises(ValueError, match="block_table"):
         autoflash.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 7, 7, block_table=table.long())
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_varlen_block_table_gathers_shuffled_pages_of_ragged_sequences(page):
+    """Pages in a shuffled order, ragged lengths (an empty sequence, one of a single token, one ending
+    mid-page), a table wider than needed with junk past each sequence's pages: the same output and
+    gradients as the packed K/V they hold, and the gradients land in the pages used (zero elsewhere)."""
+    lengths = [5, 0, 1, 2 * page + 3]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    total, width = int(cu[-1]), -(-max(lengths) // page) + 1
+    q, k, v = rand(total, 2, 16, seed=31), rand(total, 1, 16, seed=32), rand(total, 1, 16, seed=33)
+    order = torch.randperm(len(lengths) * width, generator=torch.Generator().manual_seed(page))
+    table = order.view(len(lengths), width).to(torch.int32)
+    k_pages = torch.zeros(len(lengths) * width, page, 1, 16, requires_grad=True)
+    v_pages = torch.zeros_like(k_pages, requires_grad=True)
+    with torch.no_grad():
+        for b, n in enumerate(lengths):
+            for t in range(n):
+                k_pages[table[b, t // page], t % page] = k[cu[b] + t]
+                v_pages[table[b, t // page], t % page] = v[cu[b] + t]
+    longest = max(lengths)
+    paged = autoflash.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, longest, longest, causal=True,
+                                             block_table=table)
+    kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+    packed = autoflash.flash_attn_varlen_func(q, kk, vv, cu, cu, longest, longest, causal=True)
+    assert close(paged, packed.double(), 1e-6)
+    grad = rand(*paged.shape, seed=34)
+    paged.backward(grad)
+    packed.backward(grad)
+    used = torch.zeros(k_pages.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            used[table[b, t // page], t % page] = True
+            assert close(k_pages.grad[table[b, t // page], t % page], kk.grad[cu[b] + t].double(), 1e-6)
+    assert not k_pages.grad[~used].any() and not v_pages.grad[~used].any()
+
+
+@pytest.mark.parametrize("table, cu, match", [
+    ([[0, 9], [1, 2]], [0, 3, 6], r"page indices outside \[0, 3\)"),  # row 0's second page is used: 9
+    ([[0, -1], [1, 2]], [0, 3, 6], r"page indices outside"),
+    ([[0, 1], [1, 2]], [0, 3, 9], "asking no more tokens"),  # 6 tokens in 2 pages of 2
+    ([[0, 1], [1, 2]], [1, 3, 6], "offsets from 0"),
+])
+def test_varlen_block_table_errors_name_the_cause(table, cu, match):
+    q, pages = rand(6, 2, 16, seed=35), rand(3, 2, 1, 16, seed=36)
+    cu = torch.tensor(cu, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        autoflash.flash_attn_varlen_func(q[:int(cu[-1]) - int(cu[0])], pages, pages, cu, cu, 6, 6,
+                                         block_table=torch.tensor(table, dtype=torch.int32))
 
 
 # ----------------------------------------------------------------------------- kvcache

@@ -8,12 +8,14 @@ on the generated kernels.
     out = autoflash.flex_attention(q, k, v, score_mod=relative, mask_mod=causal)   # (B, H, N, D)
 
 Each function is traced once into Triton statements (`autoflash.score_mods`: what it may use, and the
-error naming its line for what it may not) and rendered into the forward kernel, a kernel per distinct
-function (its code's hash is in the kernel's name and problem key). What the kernels do not run goes to
-torch with a `FallbackWarning` naming the reason (an error under AUTOFLASH_STRICT=1), computing the same
-functions on the materialized scores: a call that needs gradients, a function with a construct the
-tracer refuses (its line named: a Python branch on a traced value, a tensor indexed by one, ...), more
-than 65535 batch x heads.
+error naming its line for what it may not) and rendered into the forward kernel, and where the call
+needs gradients into the backward kernels too, with the score_mod's derivative in the score (traced from
+the same function: `Traced.derivative`), a kernel per distinct function (its code's hash is in the
+kernel's name and problem key). Gradients reach q, k and v; a score_mod's own tensors get none (it
+reads no tensors: the tracer refuses them). What the kernels do not run goes to torch with a
+`FallbackWarning` naming the reason (an error under AUTOFLASH_STRICT=1), computing the same functions
+on the materialized scores: a function with a construct the tracer refuses (its line named: a Python
+branch on a traced value, a tensor indexed by one, ...), more than 65535 batch x heads.
 Every KV tile of such a kernel is masked (no block skipping for a mask_mod yet: the cost is that of full
 attention, whatever the mask leaves out).
 """
@@ -46,13 +48,12 @@ def flex_attention(query, key, value, score_mod=None, mask_mod=None, *, scale=No
                          mask_mod=score_mods.trace_mask_mod(mask_mod) if mask_mod is not None else None)
     except score_mods.ScoreModError as e:  # (what the kernels cannot run, named by its line: torch runs it)
         why = str(e)
-    if why is None and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        why = "gradients of a user's score or mask function (the backward kernels take none yet)"
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if why is None and query.shape[0] * query.shape[1] > GRID_AXIS_MAX:
         # (such a call is launched in batch slices, whose kernels count b from 0 again)
         why = f"batch x heads above {GRID_AXIS_MAX} with a user's score or mask function"
     if why is None:
-        served, why = variant_forward.serve(query, key, value, 0.0, scale, False, 0, args, training=False)
+        served, why = variant_forward.serve(query, key, value, 0.0, scale, False, 0, args, training=training)
         if served is not None:
             out, lse = served  # (a row that sees no key: LSE +inf from the kernels, -inf as FlexAttention's)
             return (out, lse.masked_fill(lse == float("inf"), float("-inf"))) if return_lse else out

@@ -138,10 +138,6 @@ class Problem:
             if not isinstance(self.score_variant, str) or ScoreVariant.from_key(self.score_variant).key != \
                     self.score_variant or not self.score_variant:
                 raise ValueError(f"score_variant must be a non-empty ScoreVariant key, got {self.score_variant!r}")
-            if self.op == "bwd" and ScoreVariant.from_key(self.score_variant).user:
-                # (the backward kernels have no hook for a user's score/mask function: a key for one would
-                # render the forward's score code without its derivative, and no mask)
-                raise ValueError("a user's score_mod/mask_mod is a forward key only: the backward kernels do not take them")
         if self.head_dim_v is not None:
             if self.op not in ("fwd", "bwd"):
                 raise ValueError(f"head_dim_v (a value head dim of its own) is a forward or backward key, not {self.op!r}")

@@ -31,11 +31,11 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def _user_mod_lines(key: str, score: str, out: str) -> list[str]:
+def _user_mod_lines(key: str, score: str, out: str, keys: str = "offs_kn", derivative: bool = False) -> list[str]:
     """A user's score or mask function's statements (`score_mods.kernel_lines`), for the templates."""
     from autoflash import score_mods
 
-    return score_mods.kernel_lines(key, score, out)
+    return score_mods.kernel_lines(key, score, out, keys, derivative)
 
 
 @functools.lru_cache(maxsize=None)

@@ -214,9 +214,12 @@ def traced_for(key: str) -> Traced:
 KERNEL_NAMES = {"b": "off_z", "h": "off_h", "q_idx": "offs_m[:, None]", "kv_idx": "offs_kn[None, :]"}
 
 
-def kernel_lines(key: str, score: str, out: str) -> list[str]:
-    """The statements a kernel runs for the function `key`, its score tile named `score`."""
-    return traced_for(key).lines({**KERNEL_NAMES, "score": score}, out)
+def kernel_lines(key: str, score: str, out: str, keys: str = "offs_kn", derivative: bool = False) -> list[str]:
+    """The statements a kernel runs for the function `key`, its score tile named `score` and its key
+    columns `keys`; derivative: those of d score_mod / d score instead (the backward's chain rule)."""
+    traced = traced_for(key)
+    return (traced.derivative() if derivative else traced).lines(
+        {**KERNEL_NAMES, "kv_idx": f"{keys}[None, :]", "score": score}, out)
 
 
 def _trace(fn, arg_names, mask: bool) -> Traced:

@@ -11,6 +11,8 @@ ALiBi slopes and the softcap get no gradient (as flash-attn); a window has none.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from autoflash.dispatch import get_dispatcher
@@ -61,5 +63,5 @@ def attention(q, k, v, sm_scale: float, causal: bool, offset: int, score: ScoreA
     float32). offset: query i sits at key position i + offset (causal mask, window and ALiBi alike)."""
     sinks = score.sinks
     if sinks is not None and sinks.requires_grad:  # (the kernels read the values; the graph holds the tensor)
-        score = ScoreArgs(score.window, score.softcap, score.alibi_slopes, sinks.detach())
+        score = dataclasses.replace(score, sinks=sinks.detach())
     return VariantAttention.apply(q, k, v, sinks, score, sm_scale, causal, offset, deterministic)

@@ -91,20 +91,34 @@ def test_gpu_user_functions_on_the_kernels_match_float64(score_mod, mask_mod, mo
                                                         (3, 2, 1, 1, 1023, 64)])
 
 
-def test_a_call_with_gradients_falls_back_with_a_warning_and_right_gradients(monkeypatch):
-    monkeypatch.delenv("AUTOFLASH_STRICT", raising=False)
-    q, k, v = (t.requires_grad_() for t in inputs(1, 2, 2, 19, 23, 16, torch.float32, "cpu"))
-    with pytest.warns(FallbackWarning, match="gradients of a user's score or mask function"):
-        out = autoflash.flex_attention(q, k, v, relative, causal)
-    out.square().sum().backward()
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    eager(q64, k64, v64, relative, causal, 16 ** -0.5)[0].square().sum().backward()
-    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+def check_gradients(score_mod, mask_mod, dtype, device, shapes, tol):
+    """Gradients of flex_attention on the kernels (forward and backward rendered with the functions)
+    against torch's autograd through the float64 reference of the same functions."""
+    for batch, heads, heads_kv, nq, nk, d in shapes:
+        q, k, v = (t.requires_grad_() for t in inputs(batch, heads, heads_kv, nq, nk, d, dtype, device, seed=nq))
+        grad = inputs(batch, heads, heads_kv, nq, nk, d, dtype, device, seed=nk + 1)[0]
+        autoflash.flex_attention(q, k, v, score_mod, mask_mod, enable_gqa=heads != heads_kv).backward(grad)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        eager(q64, k64, v64, score_mod, mask_mod, d ** -0.5)[0].backward(grad.double())
+        for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="interpreter test (the gpu-marked twin runs on the GPU)")
+@pytest.mark.parametrize("score_mod, mask_mod", CASES)
+def test_gradients_of_user_functions_on_the_kernels_match_float64(score_mod, mask_mod, monkeypatch):
+    """The backward kernels recompute the scores through the score_mod, apply the mask_mod, and carry
+    dS through d score_mod / d score (traced from the same function); GQA sums dK/dV over the group."""
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")  # served by the kernels, or this fails
+    check_gradients(score_mod, mask_mod, torch.float32, "cpu", [(2, 4, 2, 37, 45, 16), (1, 2, 2, 19, 19, 16)], 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score_mod, mask_mod", CASES)
+def test_gpu_gradients_of_user_functions_on_the_kernels_match_float64(score_mod, mask_mod, monkeypatch):
     monkeypatch.setenv("AUTOFLASH_STRICT", "1")
-    api.reset()
-    with pytest.raises(FallbackError):
-        autoflash.flex_attention(q, k, v, relative, causal)
+    check_gradients(score_mod, mask_mod, torch.bfloat16, "cuda", [(2, 8, 2, 1023, 4111, 128), (1, 4, 4, 113, 37, 64)],
+                    5e-2)
 
 
 def test_functions_the_kernels_cannot_run_go_to_torch_naming_the_line(monkeypatch):
@@ -146,12 +160,11 @@ def test_powers_keep_the_sign_of_a_negative_base():
     torch.testing.assert_close(env["out"], want)
 
 
-def test_a_backward_key_with_a_user_function_is_refused():
+def test_a_backward_key_names_the_user_function_as_the_forward_key_does():
     from autoflash.problem import Problem
 
     key = f"bwd/bfloat16/d64/causal/g1/q1024/k1024/{trace_score_mod(relative).key}"
-    with pytest.raises(ValueError, match="forward key only"):
-        Problem.from_key(key)
+    assert Problem.from_key(key).key == key
     assert Problem.from_key(key.replace("bwd/", "fwd/", 1)).key == key.replace("bwd/", "fwd/", 1)
 
 

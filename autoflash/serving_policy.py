@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from autoflash.problem import Problem, distance_between
 from autoflash.space import InvalidVariant, Variant, load_space
-from autoflash.vendor import VENDOR_TIE_MARGIN
+from autoflash.vendor import tie_margin
 
 # Evidence further than this (summed factors of 2 across head dim, group, lengths, occupancy) says
 # nothing about a problem: SDPA-cuDNN serves it until it is tuned.
@@ -31,13 +31,14 @@ VENDOR_FAMILIES = {"fwd": "sdpa_fwd", "bwd": "sdpa_bwd"}
 class Measured:
     own_ms: float = math.inf  # the best own kernel (or own pair) measured for the problem
     cudnn_ms: float = math.inf  # SDPA-cuDNN (its whole pair for a backward problem), same run
+    own_spread: float = 0.0  # the best own kernel's round-to-round spread (widens the tie margin)
 
     @property
     def complete(self) -> bool:
         return math.isfinite(self.own_ms) and math.isfinite(self.cudnn_ms)
 
     def own_faster(self) -> bool:
-        return self.own_ms * (1 + VENDOR_TIE_MARGIN) < self.cudnn_ms
+        return self.own_ms * (1 + tie_margin(self.own_spread)) < self.cudnn_ms
 
 
 class Evidence:
@@ -53,8 +54,8 @@ class Evidence:
             knobs = variant.as_dict()
             if knobs.get("BACKEND") == "cudnn" and knobs.get("FORWARD", "sdpa") == knobs.get("BACKWARD", "sdpa") == "sdpa":
                 entry.cudnn_ms = min(entry.cudnn_ms, median)
-        else:
-            entry.own_ms = min(entry.own_ms, median)
+        elif median < entry.own_ms:
+            entry.own_ms, entry.own_spread = median, _number(row.get("spread"), zero=True)
         entry.cudnn_ms = min(entry.cudnn_ms, cudnn)
 
     def nearest(self, problem: Problem) -> tuple[str, Measured] | None:
@@ -101,5 +102,8 @@ def cudnn_variant(problem: Problem, device) -> Variant | None:
         return None
 
 
-def _number(value) -> float:
-    return float(value) if isinstance(value, (int, float)) and value > 0 and math.isfinite(value) else math.inf
+def _number(value, zero: bool = False) -> float:
+    """A positive finite number, else inf (zero: else 0.0, for a spread)."""
+    if isinstance(value, (int, float)) and value > 0 and math.isfinite(value):
+        return float(value)
+    return 0.0 if zero else math.inf

@@ -19,22 +19,22 @@ def prob(q=2048, k=2048, head_dim=128, causal=True, group=1, dtype="bfloat16", o
     return Problem(op, dtype, head_dim, causal, group, q, k)
 
 
-def make_db(path, rows):
+def make_db(path, rows, spread=0.01):
     """rows: (problem, own median_ms, SDPA-cuDNN ms of the same run)."""
     store = Store(path)
     store.add_gpu(H200)
     for problem, own_ms, cudnn_ms in rows:
         variant = default_variant(problem.op, problem, H200)
         store.set_winner(gpu_key=H200.key, problem=problem, template_hash=codegen.template_hash(variant.family),
-                         variant_json=variant.json(), median_ms=own_ms, spread=0.01, tflops=1.0, trials=5,
+                         variant_json=variant.json(), median_ms=own_ms, spread=spread, tflops=1.0, trials=5,
                          sdpa_cudnn_ms=cudnn_ms)
     store.close()
     return path
 
 
-def served(tmp_path, rows, problem):
+def served(tmp_path, rows, problem, spread=0.01):
     path = tmp_path / f"w{len(list(tmp_path.glob('*.db')))}.db"  # (a fresh DB per call)
-    disp = Dispatcher(winner_paths=[make_db(path, rows)])
+    disp = Dispatcher(winner_paths=[make_db(path, rows, spread)])
     variant, why = disp.choose(problem, H200)
     return load_space(variant.family).vendor, why
 
@@ -49,6 +49,9 @@ def test_an_own_winner_measured_slower_than_cudnn_does_not_serve(tmp_path):
     assert served(tmp_path, [(p, 1.0, 0.9)], p)[0]  # the row's own SDPA-cuDNN time is faster
     assert not served(tmp_path, [(p, 0.9, 1.0)], p)[0]
     assert served(tmp_path, [(p, 0.99, 1.0)], p)[0]  # within the tie margin: the vendor kernel
+    # 3% ahead clears the 2% margin, but not rounds that spread by 4%: the lead is noise
+    assert not served(tmp_path, [(p, 0.97, 1.0)], p, spread=0.01)[0]
+    assert served(tmp_path, [(p, 0.97, 1.0)], p, spread=0.04)[0]
 
 
 def test_nearest_evidence_decides_and_far_evidence_does_not(tmp_path):

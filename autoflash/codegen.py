@@ -183,7 +183,7 @@ def _chunk_dropout(dropout, first: int, q, k) -> dict:
     counters continue the whole call's (the kernels number a chunk's entries from 0)."""
     if dropout is None:
         return {}
-    return {"dropout_args": dropout.shifted(first * q.shape[1] * q.shape[2] * k.shape[2]) if first else dropout}
+    return {"dropout_args": dropout.shifted_rows(first * q.shape[1] * q.shape[2], k.shape[2]) if first else dropout}
 
 
 class Kernel:

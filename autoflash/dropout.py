@@ -4,9 +4,10 @@ then each probability kept with probability 1 - p and scaled by 1 / (1 - p): O =
 
 The keep mask Z is never stored. Each call draws a fresh seed from torch's default (CPU) generator
 (`torch.manual_seed` makes a run repeatable; a CUDA graph capture would fix it: refused there);
-the kernels draw element (b, h, i, j) of Z from Philox at (seed, offset + ((b * H + h) * N_Q + i) * N_K
-+ j), so the backward, given the same (seed, offset), regenerates the same Z whatever its tiles
-(tests/test_dropout_kernels.py draws the same Z as a tensor with a kernel of its own).
+the kernels draw element (b, h, i, j) of Z from Philox at (seed, offset + ((b * H + h) * N_Q + i) *
+cdiv(N_K, 8) + j // 8), one draw for 8 keys (`triton_device.dropout_keep`), so the backward, given the
+same (seed, offset), regenerates the same Z whatever its tiles (tests/test_dropout_kernels.py draws
+the same Z as a tensor with the same device function).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from autoflash.training import first_order
 
 @dataclasses.dataclass(frozen=True)
 class DropoutArgs:
-    """One call's dropout: `p` in (0, 1), the Philox `seed` and the counter `offset` of element (0, 0, 0, 0)."""
+    """One call's dropout: `p` in (0, 1), the Philox `seed` and the counter `offset` of elements (0, 0, 0, 0..7)."""
 
     p: float
     seed: int
@@ -37,9 +38,10 @@ class DropoutArgs:
     def kernel_args(self) -> tuple:
         return (float(self.p), int(self.seed), int(self.offset))
 
-    def shifted(self, elements: int) -> "DropoutArgs":
-        """The same draw for a batch slice that starts `elements` score elements later (a chunked launch)."""
-        return dataclasses.replace(self, offset=self.offset + elements)
+    def shifted_rows(self, rows: int, seqlen_k: int) -> "DropoutArgs":
+        """The same draw for a batch slice that starts `rows` score rows (of `seqlen_k` keys) later (a
+        chunked launch): the kernels draw once per row and 8 keys."""
+        return dataclasses.replace(self, offset=self.offset + rows * -(-seqlen_k // 8))
 
 
 def new_seed(device: torch.device | str | None = None) -> int:

@@ -17,6 +17,7 @@ import triton.language as tl
 from autoflash import codegen
 from autoflash.device import gpu_fingerprint
 from autoflash.dropout import DropoutArgs
+from autoflash.families._shared.device_modules import triton_device  # (the setting of this process, as the kernels')
 from autoflash.problem import Problem
 from autoflash.reference import rel_error
 from autoflash.rendering import render, source_path, variant_hash
@@ -28,13 +29,12 @@ from autoflash.space import FAMILIES, load_space
 # --------------------------------------------------------------------------- Z, drawn apart
 @triton.jit
 def _draw_keep(Z, seed, offset, H, N_Q, N_K, p, BLOCK: tl.constexpr):
-    """keep[b, h, i, j] as the kernels draw it: Philox at offset + ((b * H + h) * N_Q + i) * N_K + j."""
+    """keep[b, h, i, j] drawn by the kernels' own device function, in 16 x 16 tiles."""
     bh = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     for start in range(0, N_K, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        idx = offset + (bh * N_Q + rows[:, None]) * N_K + cols[None, :]
-        keep = tl.rand(seed, idx) >= p
+        keep = triton_device.dropout_keep(seed, offset, bh * N_Q + rows, start, N_K, p, BLOCK)
         mask = (rows[:, None] < N_Q) & (cols[None, :] < N_K)
         tl.store(Z + (bh * N_Q + rows[:, None]) * N_K + cols[None, :], keep.to(tl.int8), mask=mask)
 
@@ -150,19 +150,28 @@ def test_same_seed_same_output_other_seed_other_output_any_tiles():
     first, again = _run_forward(q, k, v, a), _run_forward(q, k, v, a)
     assert torch.equal(first, again)
     assert not torch.equal(first, _run_forward(q, k, v, dataclasses.replace(a, seed=a.seed + 1)))
-    assert not torch.equal(first, _run_forward(q, k, v, a.shifted(1)))
+    assert not torch.equal(first, _run_forward(q, k, v, a.shifted_rows(1, 45)))
     # Other tiles and loop orders draw the same mask: the same output up to the sums' order.
     other = _run_forward(q, k, v, a, dict(BLOCK_M=16, BLOCK_N=16, KV_ORDER="diagonal_first", MASK_MODE="single_loop"))
     assert rel_error(other, first) <= 1e-5
 
 
-def test_keep_fraction_is_one_minus_p():
+def test_keep_fraction_is_one_minus_p_at_each_of_a_draws_eight_keys():
+    """Each Philox draw serves 8 keys (16 bits each): every key position within the group keeps 1 - p."""
     for p in (0.1, 0.5, 0.9):
-        z = keep_mask(DropoutArgs(p, 12345 + (1 << 40)), 2, 3, 200, 300) if not _interpreting() else \
-            keep_mask(DropoutArgs(p, 12345 + (1 << 40)), 1, 2, 100, 200)
-        n = z.numel()
-        sd = math.sqrt(n * p * (1 - p))
-        assert abs(z.sum().item() - n * (1 - p)) <= 5 * sd
+        z = keep_mask(DropoutArgs(p, 12345 + (1 << 40)), 2, 3, 200, 304) if not _interpreting() else \
+            keep_mask(DropoutArgs(p, 12345 + (1 << 40)), 1, 2, 100, 208)
+        for lane in range(8):
+            kept = z[..., lane::8]
+            n = kept.numel()
+            assert abs(kept.sum().item() - n * (1 - p)) <= 5 * math.sqrt(n * p * (1 - p)), (p, lane)
+
+
+def test_a_batch_slice_draws_the_slice_of_the_whole_mask():
+    """A launch over batch entries 1.. (a chunked call) continues the whole call's counters."""
+    a = DropoutArgs(0.3, 777 + (1 << 40), 5)
+    whole = keep_mask(a, 3, 2, 21, 37)
+    assert torch.equal(keep_mask(a.shifted_rows(1 * 2 * 21, 37), 2, 2, 21, 37), whole[1:])
 
 
 def _interpreting():
@@ -192,7 +201,7 @@ def test_dropout_args_are_checked():
         DropoutArgs(1.0, 1)
     with pytest.raises(ValueError):
         DropoutArgs(0.5, -1)
-    assert DropoutArgs(0.5, 3, 10).shifted(5).offset == 15
+    assert DropoutArgs(0.5, 3, 10).shifted_rows(5, 17).offset == 10 + 5 * 3  # (3 draws of 8 keys a row)
 
 
 # --------------------------------------------------------------------------- plain renders
@@ -225,7 +234,7 @@ def test_a_render_without_dropout_has_no_dropout_code():
     for variant, score, value_dim in _renders_to_compare():
         source = render(variant, score=score, value_dim=value_dim)
         assert render(variant, score=score, value_dim=value_dim, dropout=False) == source
-        assert "dropout" not in source.lower() and "tl.rand" not in source, (variant.short(), score, value_dim)
+        assert "dropout" not in source.lower() and "tl.rand" not in source, (variant.short(), score, value_dim)  # (nor dropout_keep)
         count += 1
     assert count > 50
 
@@ -234,7 +243,7 @@ def test_the_flag_renders_only_when_asked():
     for op in ("fwd", "bwd"):
         variant = load_space(op).default_for(Problem(op, "float16", 64, True, 1, 1024, 1024), _device())
         plain, dropped = render(variant), render(variant, dropout=True)
-        assert "tl.rand" not in plain and "dropout_seed" not in plain and "tl.rand" in dropped
+        assert "dropout_keep" not in plain and "dropout_seed" not in plain and "dropout_keep(" in dropped
         assert variant_hash(variant) != variant_hash(variant, dropout=True)
         assert source_path(variant, dropout=True).stem.split("-")[-2] == "drop"
     with pytest.raises(ValueError, match="dropout"):

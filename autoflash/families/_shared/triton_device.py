@@ -55,3 +55,28 @@ def packed_sequence(CU_Q, CU_K, off_z):
     N_Q = tl.load(CU_Q + off_z + 1) - q_start.to(tl.int32)
     N_K = tl.load(CU_K + off_z + 1) - k_start.to(tl.int32)
     return q_start, k_start, N_Q, N_K
+
+
+# Philox rounds of the dropout draws: 7, as flash-attn's kernels (Philox4x32-7 passes TestU01's
+# BigCrush, Salmon et al. 2011; 10 is Triton's default margin). Each draw gives four 32-bit words.
+DROPOUT_PHILOX_ROUNDS = tl.constexpr(7)
+
+
+@triton.jit
+def dropout_keep(seed, offset, rows, key0, N_K, p, KEYS: tl.constexpr):
+    """Dropout's keep mask of a (len(rows) x KEYS) score tile: keys key0 .. key0 + KEYS - 1 (key0 and
+    KEYS multiples of 8) of the score rows `rows` (int64, the row's index in the (B x H x N_Q) rows
+    of the call). One Philox draw per row and 8 keys: counter offset + row * cdiv(N_K, 8) + key // 8,
+    its four 32-bit words cut into eight 16-bit uniforms; key 8g + 4h + 2v + s takes half h (0: the
+    low 16 bits) of word 2s + v. A key is kept when its uniform u (0 .. 65535) is >= p * 65536: p is
+    rounded up to a multiple of 2**-16 (flash-attn rounds the keep probability to 2**-8). A per-key draw
+    (tl.rand) costs 8x the Philox rounds, which on an H100 took more time than the tile's matmuls."""
+    groups = key0 // 8 + tl.arange(0, KEYS // 8)
+    counter = offset + rows[:, None] * ((N_K + 7) // 8) + groups[None, :]
+    w0, w1, w2, w3 = tl.randint4x(seed, counter, DROPOUT_PHILOX_ROUNDS)
+    a0 = tl.join((w0 & 0xFFFF).to(tl.int32), (w0 >> 16).to(tl.int32))  # (uint32 words: >> is logical)
+    a1 = tl.join((w1 & 0xFFFF).to(tl.int32), (w1 >> 16).to(tl.int32))
+    a2 = tl.join((w2 & 0xFFFF).to(tl.int32), (w2 >> 16).to(tl.int32))
+    a3 = tl.join((w3 & 0xFFFF).to(tl.int32), (w3 >> 16).to(tl.int32))
+    uniform = tl.reshape(tl.join(tl.join(a0, a1), tl.join(a2, a3)), (rows.shape[0], KEYS))
+    return uniform.to(tl.float32) >= p * 65536.0

@@ -135,8 +135,8 @@ def unsupported(q, k, v, p: float, scale, training: bool, score: ScoreArgs | Non
         return "traced by torch.compile: dropout in the kernels has no registered op yet"
     if q.is_cuda and os.environ.get("AUTOFLASH_DROPOUT_KERNELS", "0").strip() != "1":
         # Measured on an H100 (benchmarks/dropin_speed.py, 2026-12-06): the training pair with dropout 0.1
-        # on the own kernels ran at 0.32x (BERT-large) and 0.34x (Llama-3-8B) of SDPA-cuDNN's; torch keeps
-        # these calls until the kernels are faster (the Philox draws, untuned kernels).
+        # on the own kernels ran at 0.32x (BERT-large) and 0.66x (Llama-3-8B; 0.34x with a Philox draw per
+        # key) of SDPA-cuDNN's; torch keeps these calls until the kernels are faster (untuned kernels).
         return ("dropout on the GPU runs in torch: autoflash's dropout kernels are slower than SDPA's so far "
                 "(AUTOFLASH_DROPOUT_KERNELS=1 serves them)")
     if not 0.0 < p < 1.0:

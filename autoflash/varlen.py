@@ -133,20 +133,26 @@ def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
         raise ValueError(f"block_table ({block_table.device}), cu_seqlens_k ({cu_seqlens_k.device}) and the caches "
                          f"({k_cache.device}) must be on one device")
     # One gather of every token's row, computed on the device: (sequence, position) -> page, row in it.
-    # (A slice and a concatenation per page cost ~10 us of host time each: 16-token pages of a 64k-token
-    # cache made the copy host-bound.) Two host reads check the lengths and the page indices used.
+    # (A slice and a concatenation per page cost ~10 us of host time each.) One host read checks the
+    # offsets, the lengths against the table's width and the page indices each sequence uses (entries
+    # past a sequence's pages are not read, and not checked).
     page, lengths = k_cache.shape[1], cu_seqlens_k.diff()
-    spread = (lengths.min(), lengths.max()) if lengths.numel() else (cu_seqlens_k[0], cu_seqlens_k[0])
-    first, low, longest = torch.stack([cu_seqlens_k[0], *spread]).tolist()
-    if first != 0 or low < 0 or longest > page * block_table.shape[1]:
+    width = block_table.shape[1]
+    used = torch.arange(width, device=block_table.device)[None, :] < ((lengths + page - 1) // page)[:, None]
+    zero = cu_seqlens_k[:1].long()
+    first, total, low, longest, least_page, most_page = torch.cat([
+        zero, cu_seqlens_k[-1:].long(), torch.cat([lengths.long(), zero]).min()[None],
+        torch.cat([lengths.long(), zero]).max()[None],
+        torch.where(used, block_table, 0).long().min()[None] if width else zero,
+        torch.where(used, block_table, 0).long().max()[None] if width else zero]).tolist()
+    if first != 0 or low < 0 or longest > page * width:
         raise ValueError(f"cu_seqlens_k must be offsets from 0 asking no more tokens than block_table's "
-                         f"{block_table.shape[1]} pages of {page} hold: lengths {lengths.tolist()[:8]}")
-    total = int(cu_seqlens_k[-1])
+                         f"{width} pages of {page} hold: lengths {lengths.tolist()[:8]}")
+    if least_page < 0 or most_page >= k_cache.shape[0]:
+        raise ValueError(f"block_table holds page indices outside [0, {k_cache.shape[0]})")
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=total)
     pos = torch.arange(total, device=seq.device) - cu_seqlens_k[seq].long()
     pages = block_table[seq, pos // page].long()
-    if total and not bool(((pages >= 0) & (pages < k_cache.shape[0])).all()):
-        raise ValueError(f"block_table holds page indices outside [0, {k_cache.shape[0]})")
     rows = pages * page + pos % page
     return k_cache.flatten(0, 1).index_select(0, rows), v_cache.flatten(0, 1).index_select(0, rows)
 

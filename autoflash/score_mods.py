@@ -348,8 +348,10 @@ def _rule(n: Node, op: str, a: tuple, da: list) -> Node:
         return _add(quotient, ZERO if da[1] is ZERO else _mul(da[1], -(a[0] / (a[1] * a[1]))))
     if op == "neg":
         return ZERO if da[0] is ZERO else -da[0]
-    if da[-1] is ZERO and op not in ("where", "minimum", "maximum"):
-        return ZERO
+    if da[0] is ZERO and op not in ("where", "minimum", "maximum"):
+        return ZERO  # (a function of one argument, or x ** constant: the score does not reach it)
+    if op == "**" and a[1].args[0] == 0:
+        return ZERO  # (x ** 0 is 1: no 0 * x ** -1, NaN at x = 0)
     x = a[0]
     outer = {"tanh": lambda: 1.0 - n * n, "exp": lambda: n, "exp2": lambda: n * math.log(2.0),
              "log": lambda: 1.0 / x, "log2": lambda: 1.0 / (x * math.log(2.0)), "sqrt": lambda: 0.5 / n,

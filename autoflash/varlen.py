@@ -136,15 +136,15 @@ def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
     # (A slice and a concatenation per page cost ~10 us of host time each.) One host read checks the
     # offsets, the lengths against the table's width and the page indices each sequence uses (entries
     # past a sequence's pages are not read, and not checked).
-    page, lengths = k_cache.shape[1], cu_seqlens_k.diff()
+    page, lengths = k_cache.shape[1], cu_seqlens_k.diff().long()
     width = block_table.shape[1]
     used = torch.arange(width, device=block_table.device)[None, :] < ((lengths + page - 1) // page)[:, None]
-    zero = cu_seqlens_k[:1].long()
+    table = block_table.long()  # (entries past a sequence's pages: never read, so never checked)
+    none = torch.zeros(1, dtype=torch.long, device=lengths.device)
     first, total, low, longest, least_page, most_page = torch.cat([
-        zero, cu_seqlens_k[-1:].long(), torch.cat([lengths.long(), zero]).min()[None],
-        torch.cat([lengths.long(), zero]).max()[None],
-        torch.where(used, block_table, 0).long().min()[None] if width else zero,
-        torch.where(used, block_table, 0).long().max()[None] if width else zero]).tolist()
+        cu_seqlens_k[:1].long(), cu_seqlens_k[-1:].long(), torch.cat([lengths, none]).min()[None],
+        torch.cat([lengths, none]).max()[None], torch.cat([torch.where(used, table, 0).flatten(), none]).min()[None],
+        torch.cat([torch.where(used, table, -1).flatten(), none - 1]).max()[None]]).tolist()
     if first != 0 or low < 0 or longest > page * width:
         raise ValueError(f"cu_seqlens_k must be offsets from 0 asking no more tokens than block_table's "
                          f"{width} pages of {page} hold: lengths {lengths.tolist()[:8]}")
@@ -153,8 +153,8 @@ def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=total)
     pos = torch.arange(total, device=seq.device) - cu_seqlens_k[seq].long()
     pages = block_table[seq, pos // page].long()
-    rows = pages * page + pos % page
-    return k_cache.flatten(0, 1).index_select(0, rows), v_cache.flatten(0, 1).index_select(0, rows)
+    # (indexing the page and the row in it: no copy of a cache whose first two dims are no view's)
+    return k_cache[pages, pos % page], v_cache[pages, pos % page]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,

@@ -18,6 +18,8 @@ What differs from a generated kernel, and who checks it:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -49,12 +51,13 @@ VENDOR_TIE_MARGIN = 0.02
 MAX_SPREAD_MARGIN = 0.05
 
 
-def tie_margin(*spreads) -> float:
+def tie_margin(spread=None) -> float:
     """The fraction by which own code (an own kernel, or a vendor pair with an own half) must beat
-    an all-vendor kernel to serve in its place: the tie margin, or the widest of the given (finite)
-    round-to-round spreads where that is wider, up to MAX_SPREAD_MARGIN."""
-    finite = [s for s in spreads if isinstance(s, (int, float)) and s == s and s >= 0]
-    return max(VENDOR_TIE_MARGIN, min(max(finite, default=0.0), MAX_SPREAD_MARGIN))
+    an all-vendor kernel to serve in its place: the tie margin, or the own candidate's round-to-round
+    spread where that is wider, up to MAX_SPREAD_MARGIN (the tuner's pick, the dispatcher's ranking
+    and the serving policy all take the own row's spread, so they agree)."""
+    finite = isinstance(spread, (int, float)) and math.isfinite(spread) and spread >= 0
+    return max(VENDOR_TIE_MARGIN, min(spread if finite else 0.0, MAX_SPREAD_MARGIN))
 
 
 def runs_own_half(knobs) -> bool:

@@ -38,6 +38,14 @@ def kills_a_band(score, b, h, q_idx, kv_idx):  # a score_mod that masks: -inf sc
     return torch.where((kv_idx > q_idx + 3) & (kv_idx < q_idx + 20), float("-inf"), score)
 
 
+def squared(score, b, h, q_idx, kv_idx):  # a power of the score: its derivative is not 1
+    return score + 0.1 * score ** 2
+
+
+def steep_at_zero(score, b, h, q_idx, kv_idx):  # d/ds is infinite at s = 0 (padding rows and keys have s = 0)
+    return score + 0.1 * torch.sqrt(score * score)
+
+
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
@@ -55,7 +63,7 @@ def late_start(b, h, q_idx, kv_idx):  # rows below 5 see no key at all
 
 
 CASES = [(relative, None), (capped, causal), (per_head, window), (kills_a_band, None), (None, prefix_lm),
-         (relative, late_start)]
+         (relative, late_start), (squared, None), (steep_at_zero, causal)]
 
 
 def inputs(batch, heads, heads_kv, nq, nk, d, dtype, device, seed=0):

@@ -73,7 +73,11 @@ def test_generated_score_code_equals_the_function_on_tensors(fn):
     torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("fn", [relative_bias, softcap, alibi, causal_with_bias, mixed])
+def powers(score, b, h, q_idx, kv_idx):
+    return score + 0.1 * score ** 2 - 0.01 * score ** 3 + (score * score + 1.0) ** -1 + abs(score) ** 0.5 + score ** 0
+
+
+@pytest.mark.parametrize("fn", [relative_bias, softcap, alibi, causal_with_bias, mixed, powers])
 def test_traced_derivative_equals_autograd(fn):
     score, b, h, q, kv = grid(1)
     score.requires_grad_()

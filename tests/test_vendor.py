@@ -261,13 +261,17 @@ def test_a_lead_inside_the_measured_spread_is_a_tie(spread, stored):
     from autoflash.tuning.winner_rows import vendor_on_a_tie
     from autoflash.vendor import MAX_SPREAD_MARGIN, tie_margin
 
-    assert tie_margin(0.30, float("nan")) == MAX_SPREAD_MARGIN < 0.06
+    assert tie_margin(0.30) == MAX_SPREAD_MARGIN < 0.06
+    assert tie_margin(float("nan")) == tie_margin(None) == tie_margin(float("inf")) == 0.02
     whole, mixed = sdpa("bwd", "flash"), sdpa("bwd", "flash", forward="autoflash")
     keys = {v: f"sdpa_bwd:{v.json()}" for v in (whole, mixed)}
     medians = {keys[whole]: 1.0, keys[mixed]: 0.973 if spread < 0.1 else 0.94}
     samples = {keys[mixed]: [medians[keys[mixed]] * (1 + spread * f) for f in (-0.5, 0.0, 0.5)],
                keys[whole]: [1.0, 1.0, 1.0]}
     assert vendor_on_a_tie(keys[mixed], list(medians), medians, samples) == keys[whole if stored == "all-vendor" else mixed]
+    # Only the own candidate's spread counts (the dispatcher has the own row's, not the vendor row's, to rank by)
+    noisy_vendor = {keys[mixed]: [0.97] * 3, keys[whole]: [0.98, 1.0, 1.02]}
+    assert vendor_on_a_tie(keys[mixed], list(medians), {keys[whole]: 1.0, keys[mixed]: 0.97}, noisy_vendor) == keys[mixed]
 
 
 @pytest.mark.parametrize("spread, served", [(0.0, "own"), (0.04, "vendor")])

@@ -28,13 +28,13 @@ def is_all_vendor(method: str) -> bool:
 def vendor_on_a_tie(winner_key: str, finite: list[str], medians: dict, samples: dict) -> str:
     """The method to store: the fastest all-vendor candidate where the fastest one with own code (an
     own kernel, or a vendor pair with an own half) beats it by no more than the tie margin, widened
-    to the two candidates' round-to-round spreads (`vendor.tie_margin`; the dispatcher ranks stored
-    rows the same way, with the row's spread), else `winner_key`."""
+    to that candidate's round-to-round spread (`vendor.tie_margin`; the dispatcher ranks stored rows
+    the same way, with the own row's spread), else `winner_key`."""
     vendors = [m for m in finite if is_all_vendor(m)]
     if not vendors or is_all_vendor(winner_key):
         return winner_key
     vendor_key = min(vendors, key=lambda m: medians[m])
-    margin = tie_margin(spread_of(samples.get(winner_key, [])), spread_of(samples.get(vendor_key, [])))
+    margin = tie_margin(spread_of(samples.get(winner_key, [])))
     return vendor_key if medians[vendor_key] <= medians[winner_key] * (1 + margin) else winner_key
 
 

@@ -190,11 +190,12 @@ class Dispatcher:
         return kernel
 
     def varlen_kernel_for(self, q, k, v, o, causal: bool, op: str, max_seqlen_q: int, max_seqlen_k: int,
-                          deterministic: bool = False, score: ScoreVariant = PLAIN) -> Kernel:
+                          deterministic: bool = False, score: ScoreVariant = PLAIN, paged: bool = False) -> Kernel:
         """The kernel for packed variable-length sequences. q, k, v, o: (1, H, total, D) views of the
         packed tensors (o: the output or dO). The problem is the dense one of the longest sequences
         with the packed tokens' work; its winner serves when its family takes packed sequences,
-        else the op's default family (the only own families that take them are the defaults)."""
+        else the op's default family (the only own families that take them are the defaults).
+        paged: the forward kernel rendered to read K and V from pages (`_paged_twin`)."""
         # The packed token counts change from batch to batch: the key holds what the choice depends
         # on (their work bucket, the longest sequences' buckets, the layout without the batch stride).
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
@@ -203,7 +204,7 @@ class Dispatcher:
         work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
         key = ("varlen", op, causal, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[3], v.shape[3], work,
                *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
-               deterministic, score)
+               deterministic, score, paged)
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
@@ -220,6 +221,8 @@ class Dispatcher:
                 kernel = self._servable(kernel, problem, device, q, k, v, o, deterministic)
                 if not kernel.supports_varlen:  # (the pointer twin of a default is in the same family)
                     raise InvalidVariant(f"no {op} kernel takes packed sequences: {kernel}")
+                if paged:
+                    kernel = self._paged_twin(kernel, problem, device)
                 log.debug("autoflash: varlen %s -> %s", problem.key, kernel)
                 self.kernels[key] = kernel
         return kernel
@@ -264,6 +267,19 @@ class Dispatcher:
             if (score.plain or host.serves_score_variants) and (not value_dim or host.serves_value_dim):
                 return codegen.load(variant, score=score, value_dim=value_dim)
         return codegen.load(default_variant(problem.op, problem, device), score=score, value_dim=value_dim)
+
+    @staticmethod
+    def _paged_twin(kernel: Kernel, problem: Problem, device: GPUFingerprint) -> Kernel:
+        """The packed kernel's variant rendered to read K and V from pages through a block table: its
+        pointer-load twin (a page is found per key row), in its family or else the default one."""
+        for variant in (kernel.variant, default_variant(problem.op, problem, device)):
+            space = load_space(variant.family)
+            if not (families.host_class(variant.family).serves_paged and "pointer" in space.knobs.get("LOADS", ())):
+                continue
+            no_ws = {"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in space.knobs else {}
+            twin = space.nearest_valid(variant.replace(LOADS="pointer", **no_ws), problem, device)
+            return codegen.load(twin, score=kernel.score, value_dim=kernel.value_dim, paged=True)
+        raise InvalidVariant(f"no {problem.op} kernel reads paged caches (from {kernel})")
 
     @classmethod
     def _servable(cls, kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k, v, o,

@@ -101,18 +101,19 @@ def check_template(template_file: str | os.PathLike) -> jinja2.Template:
 
 
 def render(variant: Variant, template_file: str | os.PathLike | None = None, score: ScoreVariant = PLAIN,
-           value_dim: bool = False, dropout: bool = False) -> str:
+           value_dim: bool = False, dropout: bool = False, paged: bool = False) -> str:
     """The Triton source of one variant. Only declared knob values ever reach the template.
     template_file: render from this template instead of the package's (knobs it does not read are
     ignored; a knob it reads that the variant lacks is an error). score: the attention variants the
     kernel computes (`score_variant`; SCORE in the templates); the plain kernel renders as it did
     before they existed. value_dim: V (and O, dO) have a head dim of their own (MLA); VALUE_DIM in the
     templates, whose plain render is the kernel as it was before it existed. dropout: attention dropout
-    drawn in the kernels (`autoflash.dropout`); DROPOUT in the templates, likewise."""
+    drawn in the kernels (`autoflash.dropout`); DROPOUT in the templates, likewise. paged: K and V read
+    from a paged cache through a block table (packed queries: `autoflash.varlen`); PAGED, likewise."""
     checked = load_space(variant.family).check_declared(variant.as_dict())
     # (FAMILY and KNOBS_JSON: the header of the rendered module says which variant it is)
     context = dict(**checked.as_dict(), FAMILY=checked.family, KNOBS_JSON=checked.json(), SCORE=score,
-                   VALUE_DIM=value_dim, DROPOUT=dropout)
+                   VALUE_DIM=value_dim, DROPOUT=dropout, PAGED=paged)
     if template_file is None:
         return _environment().get_template(_template_name(variant.family)).render(**context)
     try:
@@ -130,24 +131,27 @@ def _frames(tb):
 
 
 def variant_hash(variant: Variant, template_file: str | os.PathLike | None = None, score: ScoreVariant = PLAIN,
-                 value_dim: bool = False, dropout: bool = False) -> str:
+                 value_dim: bool = False, dropout: bool = False, paged: bool = False) -> str:
     thash = template_hash(variant.family) if template_file is None else _source_hash(
         pathlib.Path(template_file).read_text(encoding="utf-8"))
     scored = f":{score.key}" if score.key else ""  # (a plain kernel's hash as before the variants)
     scored += ":dv" if value_dim else ""  # (and as before value head dims of their own)
     scored += ":drop" if dropout else ""  # (and dropout)
+    scored += ":paged" if paged else ""  # (and paged caches)
     return hashlib.sha256(f"{thash}:{variant.json()}{scored}".encode()).hexdigest()[:20]
 
 
 def source_path(variant: Variant, template_file: str | os.PathLike | None = None,
-                score: ScoreVariant = PLAIN, value_dim: bool = False, dropout: bool = False) -> pathlib.Path:
+                score: ScoreVariant = PLAIN, value_dim: bool = False, dropout: bool = False,
+                paged: bool = False) -> pathlib.Path:
     """<family>-<op>-<knob values>[-<score variant>]-<hash>.py: what a traceback or a profile shows says
     which kernel."""
     scored = f"-{score.key.replace('+', '_')}" if score.key else ""
     scored += "-dv" if value_dim else ""
     scored += "-drop" if dropout else ""
+    scored += "-paged" if paged else ""
     return kernel_cache_dir() / f"{variant.family}-{variant.op}-{readable_knobs(variant)}{scored}-" \
-                                f"{variant_hash(variant, template_file, score, value_dim, dropout)[:12]}.py"
+                                f"{variant_hash(variant, template_file, score, value_dim, dropout, paged)[:12]}.py"
 
 
 # Short names of the common knobs in kernel file names (the others: their value, a true flag its name).

@@ -14,7 +14,9 @@ support, a non-positive scale, dropout) run
 sequence by sequence through `flash_attn_func`, which runs dropout (0 < p < 1, no variant) on the dense
 dropout kernels, a seed per sequence (`autoflash.dropout`), and the rest in torch with one warning per reason
 (`AUTOFLASH_STRICT=1`: an error). A deterministic backward runs on the packed kernels, in a variant
-without float32 atomics. A paged K/V (`block_table`) is gathered into packed tensors first.
+without float32 atomics. A paged K/V (`block_table`) is read in place by a forward kernel rendered to find
+each key row's page in the table (inference without attention variants); other paged calls gather the
+pages into packed tensors first.
 """
 
 from __future__ import annotations
@@ -118,11 +120,14 @@ def _per_sequence(q, k, v, cu_q, cu_k, softmax_scale, causal, extras: dict, retu
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)), lse
 
 
-def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
-    """Packed (total_k, H_kv, D) keys and values of a paged cache: sequence b's tokens are the first
-    cu_seqlens_k[b+1] - cu_seqlens_k[b] of its pages block_table[b] (a copy; gradients reach the pages)."""
+def _check_pages(k_cache, v_cache, block_table, cu_seqlens_k) -> int:
+    """The tokens the paged caches hold for the batch (cu_seqlens_k[-1]), after checking the caches,
+    the table and the offsets: sequence b's tokens are the first cu_seqlens_k[b+1] - cu_seqlens_k[b]
+    rows of its pages block_table[b]. One host read checks the offsets, the lengths against the
+    table's width and the page indices each sequence uses (entries past a sequence's pages are never
+    read, so never checked)."""
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4 or not isinstance(v_cache, torch.Tensor) \
-            or v_cache.shape[:3] != k_cache.shape[:3]:
+            or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
         raise ValueError("with block_table, k and v must be paged caches (num_blocks, page_block_size, nheads_k, "
                          "headdim) agreeing in their first three dims")
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
@@ -132,14 +137,10 @@ def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
     if cu_seqlens_k.device != block_table.device or block_table.device != k_cache.device:
         raise ValueError(f"block_table ({block_table.device}), cu_seqlens_k ({cu_seqlens_k.device}) and the caches "
                          f"({k_cache.device}) must be on one device")
-    # One gather of every token's row, computed on the device: (sequence, position) -> page, row in it.
-    # (A slice and a concatenation per page cost ~10 us of host time each.) One host read checks the
-    # offsets, the lengths against the table's width and the page indices each sequence uses (entries
-    # past a sequence's pages are not read, and not checked).
     page, lengths = k_cache.shape[1], cu_seqlens_k.diff().long()
     width = block_table.shape[1]
     used = torch.arange(width, device=block_table.device)[None, :] < ((lengths + page - 1) // page)[:, None]
-    table = block_table.long()  # (entries past a sequence's pages: never read, so never checked)
+    table = block_table.long()
     none = torch.zeros(1, dtype=torch.long, device=lengths.device)
     first, total, low, longest, least_page, most_page = torch.cat([
         cu_seqlens_k[:1].long(), cu_seqlens_k[-1:].long(), torch.cat([lengths, none]).min()[None],
@@ -150,11 +151,40 @@ def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
                          f"{width} pages of {page} hold: lengths {lengths.tolist()[:8]}")
     if least_page < 0 or most_page >= k_cache.shape[0]:
         raise ValueError(f"block_table holds page indices outside [0, {k_cache.shape[0]})")
+    return total
+
+
+def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k, total: int):
+    """Packed (total_k, H_kv, D) keys and values of checked paged caches (`_check_pages`): a copy, for
+    the calls the paged kernel does not serve (gradients reach the pages through it)."""
+    # One gather of every token's row, computed on the device: (sequence, position) -> page, row in it.
+    # (A slice and a concatenation per page cost ~10 us of host time each.)
+    page, lengths = k_cache.shape[1], cu_seqlens_k.diff().long()
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=total)
     pos = torch.arange(total, device=seq.device) - cu_seqlens_k[seq].long()
     pages = block_table[seq, pos // page].long()
     # (indexing the page and the row in it: no copy of a cache whose first two dims are no view's)
     return k_cache[pages, pos % page], v_cache[pages, pos % page]
+
+
+def _packed_stand_ins(k_cache, v_cache, total: int):
+    """(total, H_kv, D) tensors of the caches' dtype and device holding no memory (stride 0): the
+    packed keys and values a paged call stands for, for validation and kernel choice."""
+    return [c.new_empty(1).expand(total, *c.shape[2:]) for c in (k_cache, v_cache)]
+
+
+def _paged_forward(q, k_cache, v_cache, k, v, block_table, cu_seqlens_q, cu_seqlens_k, longest_q: int,
+                   longest_k: int, sm_scale: float, causal: bool):
+    """(out, lse (H, total_q)) of packed queries against paged caches, one launch of the forward kernel
+    rendered to find each key row's page in the block table (no gathered copy). k, v: the packed
+    stand-ins (`_packed_stand_ins`)."""
+    out = output_like(q, v)
+    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, out), causal, "fwd", longest_q, longest_k,
+                                                paged=True)
+    kernel.forward_varlen(q, k_cache, v_cache, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+                          longest_q, sm_scale, causal, block_table=block_table)
+    return out, lse
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -180,14 +210,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Validation reads cu_seqlens on the host (one sync per call): offsets that do not match the
     tensors are a ValueError, never an out-of-bounds read.
     """
+    caches = None
     if block_table is not None:
-        k, v = _gather_pages(k, v, block_table, cu_seqlens_k)
+        total_k = _check_pages(k, v, block_table, cu_seqlens_k)
+        caches, (k, v) = (k, v), _packed_stand_ins(k, v, total_k)
     cu_q, cu_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale, causal)
     return_lse = check_flag("return_attn_probs", return_attn_probs)
     # (a deterministic backward matters only where there is one: the forward kernels are deterministic)
-    deterministic = deterministic_backward(check_flag("deterministic", deterministic)) and needs_autograd(q, k, v)
+    training = needs_autograd(q, *(caches or (k, v)))
+    deterministic = deterministic_backward(check_flag("deterministic", deterministic)) and training
     extras = _extras(q, cu_q, dropout_p, window_size, softcap, alibi_slopes)
+    if caches is not None:
+        if not (training or extras) and q.shape[0] and total_k and _kernels_take(q, k, v, softmax_scale):
+            longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+            longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+            out, lse = _paged_forward(q, *caches, k, v, block_table, cu_seqlens_q, cu_seqlens_k, longest_q, longest_k,
+                                      softmax_scale_or_default(softmax_scale, q.shape[-1]), causal)
+            return (out, lse, None) if return_lse else out
+        # (gradients, attention variants, dropout, what the kernels refuse: on a gathered copy)
+        k, v = _gather_pages(*caches, block_table, cu_seqlens_k, total_k)
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, causal, extras, return_lse,
                        deterministic)
     return (out, lse, None) if return_lse else out

@@ -148,12 +148,13 @@ def paged(results: list) -> None:
                 return autoflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(queries), max(keys),
                                                         causal=True, block_table=table)
             with torch.no_grad():
-                same = torch.equal(contiguous(), paged_call())
+                want, got = contiguous(), paged_call()
+                same, differ = torch.equal(want, got), (want.float() - got.float()).abs().max().item()
                 timed = interleaved({"contiguous": contiguous, "paged": paged_call})
             row = record(results, "paged_prefill", timed, flops, batch=batch, queries=chunk, cached=cached, page=page,
-                         heads_q=heads, heads_kv=kv, head_dim=d, causal=True, outputs_equal=same,
+                         heads_q=heads, heads_kv=kv, head_dim=d, causal=True, outputs_equal=same, max_abs_diff=differ,
                          paged_vs_contiguous=timed["contiguous"] / timed["paged"])
-            print(f"paged prefill B{batch} {chunk} new vs {cached}+ cached, {page}-token pages: outputs equal {same}; "
+            print(f"paged prefill B{batch} {chunk} new vs {cached}+ cached, {page}-token pages: outputs equal {same} (max diff {differ:.2e}); "
                   f"contiguous {timed['contiguous']:.3f} ms, paged {timed['paged']:.3f} ms "
                   f"({row['paged_vs_contiguous']:.3f}x)")
 

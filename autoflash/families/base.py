@@ -40,20 +40,25 @@ class Family(abc.ABC):
     serves_value_dim: ClassVar[bool] = False
     # renders DROPOUT: attention dropout drawn in the kernels from a (seed, offset) pair (dense calls)
     serves_dropout: ClassVar[bool] = False
+    # renders PAGED: packed queries against K/V pages found through a block table (`launch_varlen`)
+    serves_paged: ClassVar[bool] = False
 
     def __init__(self, knobs: dict, kernels: ModuleType, score: ScoreVariant = PLAIN, value_dim: bool = False,
-                 dropout: bool = False):
+                 dropout: bool = False, paged: bool = False):
         if not score.plain and not self.serves_score_variants:
             raise ValueError(f"{self.name} computes no attention variants (asked for {score.key!r})")
         if value_dim and not self.serves_value_dim:
             raise ValueError(f"{self.name} takes no value head dim other than the query's")
         if dropout and not self.serves_dropout:
             raise ValueError(f"{self.name} renders no attention dropout")
+        if paged and not self.serves_paged:
+            raise ValueError(f"{self.name} reads no paged K/V cache")
         self.knobs = dict(knobs)
         self.kernels = kernels
         self.score = score
         self.value_dim = value_dim  # rendered with VALUE_DIM: takes V's head dim from v's shape
         self.dropout = dropout  # rendered with DROPOUT: every launch takes a `dropout.DropoutArgs`
+        self.paged = paged  # rendered with PAGED: packed launches only, each with its block table
 
     def dropout_kernel_args(self, args, compile_only: bool = False) -> tuple:
         """The kernels' dropout parameters (dropout_p, dropout_seed, dropout_offset) for a launch: none for
@@ -101,9 +106,11 @@ class ForwardFamily(Family):
         score_args: the values of the `score` variants (`score_variant.ScoreArgs`; None: plain)."""
 
     def launch_varlen(self, *, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
-                      causal: bool, compile_only: bool = False, score_args=None) -> None:
+                      causal: bool, compile_only: bool = False, score_args=None, block_table=None) -> None:
         """Packed sequences: q, o (total_q, H, D); k, v (total_k, H_kv, D); lse (H, total_q) float32;
-        cu_seqlens int32 (B + 1,). Causal (and windows, ALiBi) bottom-right per sequence."""
+        cu_seqlens int32 (B + 1,). Causal (and windows, ALiBi) bottom-right per sequence. block_table
+        (a kernel rendered `paged`, and only it): int32 (B, pages per sequence), k and v then paged
+        caches (num_blocks, page_size, H_kv, D)."""
         raise NotImplementedError(f"{self.name} takes no packed sequences")
 
 

@@ -18,11 +18,14 @@ class TritonForward(ForwardFamily):
     serves_score_variants = True
     serves_value_dim = True
     serves_dropout = True  # (dense calls: a packed batch's launch windows would renumber its sequences)
+    serves_paged = True  # (pointer loads: a page is found per key row)
     max_grid_axis = MAX_GRID_AXIS  # (a test lowers it to exercise the split launches)
 
     def supports(self, q, k, v, o):
         if self.value_dim and self.knobs["LOADS"] == "block_ptr":  # (the value tile is written for the others)
             return "block-pointer loads with a value head dim of its own"
+        if self.paged and self.knobs["LOADS"] != "pointer":
+            return "a paged cache read by tiles (pages are found per key row: pointer loads only)"
         return super().supports(q, k, v, o)
 
     def grid(self, batch: int, heads: int, n_q: int) -> tuple[int, int]:
@@ -33,30 +36,40 @@ class TritonForward(ForwardFamily):
 
     def launch(self, *, q, k, v, o, lse, sm_scale, causal, causal_offset, compile_only=False, score_args=None,
                dropout_args=None):
+        if self.paged:
+            raise ValueError(f"{self.name}: a kernel rendered for paged caches takes packed sequences only")
         batch, _heads, n_q, _ = q.shape
         self._launch(q, k, v, o, lse, None, None, lse.stride(0), lse.stride(1), batch, n_q, k.shape[2], sm_scale,
                      causal, causal_offset, compile_only, score_args or NO_SCORE_ARGS,
                      self.dropout_kernel_args(dropout_args, compile_only))
 
     def launch_varlen(self, *, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, causal,
-                      compile_only=False, score_args=None):
+                      compile_only=False, score_args=None, block_table=None):
         if self.dropout:  # (launch windows would renumber the sequences: dense calls only)
             raise ValueError(f"{self.name}: a kernel rendered with dropout takes no packed sequences")
+        if (block_table is None) == self.paged:
+            raise ValueError(f"{self.name}: a kernel rendered {'with' if self.paged else 'without'} paged caches "
+                             f"got {'no ' if block_table is None else ''}block table")
         batch = cu_seqlens_q.shape[0] - 1
-        q4, k4, v4, o4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o))  # (1, H, total, D) views
+        q4, o4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, o))  # (1, H, total, D) views
+        if self.paged:  # (num_blocks, H_kv, page_size, D) views: the batch stride steps from page to page
+            k4, v4 = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (k, v))
         # A grid axis holds batch x heads programs; CUDA caps axes 1 and 2 at 65535, so a batch of many
         # short sequences runs in several launches, each over a window of cu_seqlens.
         per_launch = max(1, self.max_grid_axis // q.shape[1])
         score_args = score_args or NO_SCORE_ARGS
         for first in range(0, batch, per_launch):
+            paged = () if block_table is None else (block_table[first:], *block_table.stride())
             self._launch(q4, k4, v4, o4, lse, cu_seqlens_q[first:], cu_seqlens_k[first:], 0, lse.stride(0),
                          min(per_launch, batch - first), max(max_seqlen_q, 1), k.shape[0], sm_scale, causal, 0,
-                         compile_only, score_args.batch_slice(first))
+                         compile_only, score_args.batch_slice(first), paged=paged)
             if compile_only:
                 break
 
     def _launch(self, q, k, v, o, lse, cu_q, cu_k, stride_lz, stride_lh, batch, n_q, n_k, sm_scale, causal,
-                causal_offset, compile_only, score_args, dropout=()):
+                causal_offset, compile_only, score_args, dropout=(), paged=()):
         if not sm_scale > 0:
             raise ValueError(f"the kernels need a positive softmax scale, got {sm_scale}")
         heads, head_dim = q.shape[1], q.shape[3]
@@ -71,7 +84,7 @@ class TritonForward(ForwardFamily):
             q, k, v, o, lse, cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), stride_lz, stride_lh,
             heads, n_q, n_k, heads // k.shape[1], sm_scale, causal_offset,
-            *score_args.kernel_args(self.score), *dropout,
+            *score_args.kernel_args(self.score), *dropout, *paged,
             HEAD_DIM=head_dim,
             BLOCK_D=head_block(head_dim),
             IS_CAUSAL=causal,
@@ -80,6 +93,7 @@ class TritonForward(ForwardFamily):
             BLOCK_N=self.knobs["BLOCK_N"],
             VARLEN=cu_q is not None,
             **split,
+            **({"PAGE_SIZE": k.shape[2]} if self.paged else {}),
             num_warps=self.knobs["num_warps"],
             num_stages=self.knobs["num_stages"],
             grid=self.grid(batch, heads, n_q),

@@ -190,12 +190,13 @@ class Dispatcher:
         return kernel
 
     def varlen_kernel_for(self, q, k, v, o, causal: bool, op: str, max_seqlen_q: int, max_seqlen_k: int,
-                          deterministic: bool = False, score: ScoreVariant = PLAIN, paged: bool = False) -> Kernel:
+                          deterministic: bool = False, score: ScoreVariant = PLAIN, pages=None) -> Kernel:
         """The kernel for packed variable-length sequences. q, k, v, o: (1, H, total, D) views of the
         packed tensors (o: the output or dO). The problem is the dense one of the longest sequences
         with the packed tokens' work; its winner serves when its family takes packed sequences,
         else the op's default family (the only own families that take them are the defaults).
-        paged: the forward kernel rendered to read K and V from pages (`_paged_twin`)."""
+        pages: (k, v) paged caches as (num_blocks, H_kv, page_size, D) views, which q, k, v, o's packed
+        K and V stand for: the forward kernel rendered to read them through a block table (`_paged_twin`)."""
         # The packed token counts change from batch to batch: the key holds what the choice depends
         # on (their work bucket, the longest sequences' buckets, the layout without the batch stride).
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) & 15)
@@ -204,7 +205,7 @@ class Dispatcher:
         work = shape_work_bucket(op, 1, q.shape[1], k.shape[1], q.shape[2], k.shape[2], device.sm_count)
         key = ("varlen", op, causal, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[3], v.shape[3], work,
                *(t.stride()[1:] for t in (q, k, v, o)), aligned, seqlen_bucket(max_seqlen_q), seqlen_bucket(max_seqlen_k),
-               deterministic, score, paged)
+               deterministic, score, None if pages is None else _layout(*pages))
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
@@ -218,11 +219,12 @@ class Dispatcher:
                                     deterministic)
                 if not kernel.supports_varlen:
                     kernel = self._load(default_variant(op, problem, device), problem, device, deterministic)
-                kernel = self._servable(kernel, problem, device, q, k, v, o, deterministic)
+                if pages is not None:
+                    kernel = self._paged_twin(kernel, problem, device, q, *pages, o)
+                else:
+                    kernel = self._servable(kernel, problem, device, q, k, v, o, deterministic)
                 if not kernel.supports_varlen:  # (the pointer twin of a default is in the same family)
                     raise InvalidVariant(f"no {op} kernel takes packed sequences: {kernel}")
-                if paged:
-                    kernel = self._paged_twin(kernel, problem, device)
                 log.debug("autoflash: varlen %s -> %s", problem.key, kernel)
                 self.kernels[key] = kernel
         return kernel
@@ -269,17 +271,21 @@ class Dispatcher:
         return codegen.load(default_variant(problem.op, problem, device), score=score, value_dim=value_dim)
 
     @staticmethod
-    def _paged_twin(kernel: Kernel, problem: Problem, device: GPUFingerprint) -> Kernel:
-        """The packed kernel's variant rendered to read K and V from pages through a block table: its
-        pointer-load twin (a page is found per key row), in its family or else the default one."""
+    def _paged_twin(kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k_pages, v_pages, o) -> Kernel:
+        """The packed kernel's variant rendered to read K and V from pages through a block table, without
+        warp specialization: with its TMA loads where the pages allow them (a key tile within a page),
+        else its pointer-load twin (a page per key row); in its family, else the default one."""
         for variant in (kernel.variant, default_variant(problem.op, problem, device)):
             space = load_space(variant.family)
             if not (families.host_class(variant.family).serves_paged and "pointer" in space.knobs.get("LOADS", ())):
                 continue
             no_ws = {"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in space.knobs else {}
-            twin = space.nearest_valid(variant.replace(LOADS="pointer", **no_ws), problem, device)
-            return codegen.load(twin, score=kernel.score, value_dim=kernel.value_dim, paged=True)
-        raise InvalidVariant(f"no {problem.op} kernel reads paged caches (from {kernel})")
+            for loads in dict.fromkeys((variant["LOADS"], "pointer")):
+                twin = space.nearest_valid(variant.replace(LOADS=loads, **no_ws), problem, device)
+                paged = codegen.load(twin, score=kernel.score, value_dim=kernel.value_dim, paged=True)
+                if paged.unsupported(q, k_pages, v_pages, o) is None:
+                    return paged
+        raise InvalidVariant(f"no {problem.op} kernel reads these paged caches (from {kernel})")
 
     @classmethod
     def _servable(cls, kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k, v, o,
@@ -302,6 +308,12 @@ class Dispatcher:
         raise InvalidVariant(f"no kernel of {problem.op} takes these tensors: {kernel.unsupported(q, k, v, o)}")
 
 
+def _layout(*pages) -> tuple:
+    """What the choice of a paged kernel reads of the caches' (num_blocks, H_kv, page_size, D) views: all
+    but the number of pages (a cache that grows keeps its kernel)."""
+    return tuple((t.shape[1:], t.stride(), not t.data_ptr() & 15) for t in pages)
+
+
 def _value_dim(q, head_dim_v: int | None) -> int | None:
     """The problem's head_dim_v: V's head dim where it is not q's, else None (one key per problem)."""
     return None if head_dim_v is None or head_dim_v == q.shape[-1] else int(head_dim_v)
@@ -309,28 +321,34 @@ def _value_dim(q, head_dim_v: int | None) -> int | None:
 
 # Knob values that make a family's kernels bitwise repeatable, for the families whose space also offers
 # variants that are not: the backward's "atomic" and "tma_reduce" dQ add float32 tiles into one buffer
-# in whatever order the programs reach it, so dQ changes in its last bits from run to run; "separate"
-# computes each dQ tile in one program (dK/dV are always so: the GQA split's partial sums are reduced
-# in a fixed order). A family missing here serves deterministic calls as it is: tests/
-# test_deterministic.py holds every backward family to an entry.
-DETERMINISTIC_KNOBS: dict[str, dict] = {"triton_bwd": {"DQ_MODE": "separate"}}
+# in whatever order the programs reach it, so dQ changes in its last bits from run to run; "ordered"
+# adds them in a fixed order (key block 0, 1, ... waiting for its turn), "separate" computes each dQ
+# tile in one program (dK/dV are always so: the GQA split's partial sums are reduced in a fixed order).
+# Each family's alternatives, preferred first: the first its space allows for the problem serves. A
+# family missing here serves deterministic calls as it is: tests/test_deterministic.py holds every
+# backward family to an entry.
+DETERMINISTIC_KNOBS: dict[str, list[dict]] = {"triton_bwd": [{"DQ_MODE": "ordered"}, {"DQ_MODE": "separate"}]}
 
 
 def deterministic_variant(variant: Variant, problem: Problem, device: GPUFingerprint) -> Variant:
-    """`variant` with its family's deterministic knob values (`DETERMINISTIC_KNOBS`), the other knobs
-    kept where the space allows it here, else changed as few as possible."""
-    pins = DETERMINISTIC_KNOBS.get(variant.family, {})
-    if all(variant.as_dict().get(knob) == value for knob, value in pins.items()):
+    """`variant` itself where it is deterministic already, else with its family's first deterministic
+    knob values (`DETERMINISTIC_KNOBS`) the space allows here, the other knobs kept where it allows
+    them, else changed as few as possible."""
+    alternatives = DETERMINISTIC_KNOBS.get(variant.family, [])
+    if not alternatives or any(all(variant.as_dict().get(knob) == value for knob, value in pins.items())
+                               for pins in alternatives):
         return variant
     space = load_space(variant.family)
-    wanted = variant.replace(**pins)
-    if not space.violations(wanted, problem, device):
-        return wanted
-    valid = [v for v in space.valid_variants(problem, device) if all(v[knob] == value for knob, value in pins.items())]
-    if not valid:
-        raise InvalidVariant(f"no deterministic {variant.family} variant is valid for {problem.key} on {device.name}")
-    want = wanted.as_dict()
-    return min(valid, key=lambda v: (sum(v[knob] != want.get(knob) for knob in v.as_dict()), v.json()))
+    for pins in alternatives:
+        wanted = variant.replace(**pins)
+        if not space.violations(wanted, problem, device):
+            return wanted
+        valid = [v for v in space.valid_variants(problem, device)
+                 if all(v[knob] == value for knob, value in pins.items())]
+        if valid:
+            want = wanted.as_dict()
+            return min(valid, key=lambda v: (sum(v[knob] != want.get(knob) for knob in v.as_dict()), v.json()))
+    raise InvalidVariant(f"no deterministic {variant.family} variant is valid for {problem.key} on {device.name}")
 
 
 def tune_in_child_process(shape: Shape, device_index: int | None = None) -> None:

@@ -176,12 +176,12 @@ def _packed_stand_ins(k_cache, v_cache, total: int):
 def _paged_forward(q, k_cache, v_cache, k, v, block_table, cu_seqlens_q, cu_seqlens_k, longest_q: int,
                    longest_k: int, sm_scale: float, causal: bool):
     """(out, lse (H, total_q)) of packed queries against paged caches, one launch of the forward kernel
-    rendered to find each key row's page in the block table (no gathered copy). k, v: the packed
-    stand-ins (`_packed_stand_ins`)."""
+    rendered to find each key tile's (or row's) page in the block table (no gathered copy). k, v: the
+    packed stand-ins (`_packed_stand_ins`)."""
     out = output_like(q, v)
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, out), causal, "fwd", longest_q, longest_k,
-                                                paged=True)
+                                                pages=(k_cache.transpose(1, 2), v_cache.transpose(1, 2)))
     kernel.forward_varlen(q, k_cache, v_cache, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                           longest_q, sm_scale, causal, block_table=block_table)
     return out, lse

@@ -68,17 +68,24 @@ def test_the_api_reads_pages_in_place(page, case, causal, monkeypatch):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("page", [32, 128])
 @pytest.mark.parametrize("i", range(len(FWD_SAMPLE)))
-def test_every_structural_choice_renders_a_paged_twin(i):
-    """Each structural forward variant's paged twin (pointer loads, its other knobs kept where valid)
-    reads the pages right; the twin is what the dispatcher serves a paged call from that variant."""
+def test_every_structural_choice_renders_a_paged_twin(i, page):
+    """Each structural forward variant's paged twin (its TMA loads where a key tile lies within a page,
+    else pointer loads; its other knobs kept where valid) reads the pages right, rows of a page past
+    the sequence's end (NaN here) never reaching the output: the twin is what the dispatcher serves a
+    paged call from that variant."""
     lens_q, lens_k, hq, hkv, d = INTERPRETER_CASES[0]
     q, k, v, _ = packed_inputs(lens_q, lens_k, hq, hkv, d, torch.float32, "cpu", seed=i)
-    k_cache, v_cache, table = paged_caches(k, v, lens_k, 16, seed=i)
+    k_cache, v_cache, table = paged_caches(k, v, lens_k, page, seed=i)
     problem = Problem("fwd", "float32", d, True, hq // hkv, 64, 64)
-    kernel = get_dispatcher()._paged_twin(codegen.load(FWD_SAMPLE[i]), problem, gpu_fingerprint())
-    assert kernel.paged and kernel.variant["LOADS"] == "pointer"
-    assert all(kernel.variant[knob] == FWD_SAMPLE[i][knob] for knob in ("MASK_MODE", "KV_ORDER", "GRID_ORDER"))
+    variant = FWD_SAMPLE[i]
+    q4 = q[None].transpose(1, 2)
+    kernel = get_dispatcher()._paged_twin(codegen.load(variant), problem, gpu_fingerprint(), q4,
+                                          k_cache.transpose(1, 2), v_cache.transpose(1, 2), q4)
+    tiles_in_a_page = variant["LOADS"] == "tma" and page % variant["BLOCK_N"] == 0
+    assert kernel.paged and kernel.variant["LOADS"] == ("tma" if tiles_in_a_page else "pointer")
+    assert all(kernel.variant[knob] == variant[knob] for knob in ("MASK_MODE", "KV_ORDER", "GRID_ORDER"))
     out = torch.full_like(q, float("nan"))
     lse = torch.full((hq, q.shape[0]), float("nan"))
     kernel.forward_varlen(q, k_cache, v_cache, out, lse, cu(lens_q), cu(lens_k), max(lens_q), 0.25, True,
@@ -160,12 +167,12 @@ def test_gpu_paged_prefill_on_ragged_lengths(page, causal, monkeypatch):
 def test_paged_kernels_compile_for_sm90(tmp_path):
     """The interpreter cannot see a kernel the GPU compiler refuses: the paged forward compiles for
     Hopper on any machine, with pages smaller than a key tile (a table entry per row) and larger (one
-    entry per tile), both KV orders, and V of a head dim of its own."""
+    entry per tile), pointer and TMA loads, both KV orders, and V of a head dim of its own."""
     from helpers import run_in_clean_process
 
     done = run_in_clean_process("from tests.test_paged_prefill import compile_for_sm90; compile_for_sm90()", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(done.stdout.splitlines()) == 4
+    assert len(done.stdout.splitlines()) == 6
 
 
 def compile_for_sm90() -> None:
@@ -178,8 +185,11 @@ def compile_for_sm90() -> None:
     base = {**{n: c[0] for n, c in fwd.knobs.items()}, "LOADS": "pointer", "MASK_MODE": "split", "BLOCK_M": 128,
             "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     lens = (333, 517)
-    for page, order, dv in ((16, "ascending", 128), (256, "diagonal_first", 128), (64, "ascending", 64), (32, "ascending", 128)):
-        kernel = codegen.load(fwd.check_declared({**base, "KV_ORDER": order}), value_dim=dv != 128, paged=True)
+    for page, order, dv, loads in ((16, "ascending", 128, "pointer"), (256, "diagonal_first", 128, "pointer"),
+                                   (64, "ascending", 64, "pointer"), (32, "ascending", 128, "pointer"),
+                                   (256, "ascending", 128, "tma"), (64, "diagonal_first", 64, "tma")):
+        kernel = codegen.load(fwd.check_declared({**base, "KV_ORDER": order, "LOADS": loads}), value_dim=dv != 128,
+                              paged=True)
         q = torch.empty(sum(lens), 8, 128, dtype=torch.bfloat16)
         k_cache = torch.empty(80, page, 2, 128, dtype=torch.bfloat16)
         v_cache = torch.empty(80, page, 2, dv, dtype=torch.bfloat16)
@@ -191,4 +201,4 @@ def compile_for_sm90() -> None:
         for jit, a, kw in launches:
             defaults = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}
             compile_one(jit, a, {**defaults, **kw})
-        print("paged", page, order, dv)
+        print("paged", page, order, dv, loads)

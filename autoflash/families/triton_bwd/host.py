@@ -120,9 +120,11 @@ class TritonBackward(BackwardFamily):
         if self.value_dim:
             common.update(HEAD_DIM_V=head_dim_v, BLOCK_DV=head_block(head_dim_v))
         stride_lz, stride_lh = lse.stride(0), lse.stride(1)
-        dq_acc = None
+        dq_acc, turns = None, ()
         if kn["DQ_MODE"] != "separate":
             dq_acc = torch.zeros((q.shape[0], heads, rows, block_d), device=q.device, dtype=torch.float32)
+        if kn["DQ_MODE"] == "ordered":  # whose turn it is to add into each query block (indexed by its first row)
+            turns = (torch.zeros((q.shape[0], heads, rows), device=q.device, dtype=torch.int32),)
         parts = ()
         if split > 1:
             # Partial dK/dV of each slice of the GQA group: (dK | dV, slice, B, H_kv, key rows, BLOCK_D)
@@ -155,7 +157,8 @@ class TritonBackward(BackwardFamily):
                         kernels._gl_bwd_dkdv[gl_grid](*args, **constexprs, **options)
                 else:
                     call(kernels._bwd_dkdv, self.grid(triton.cdiv(n_k, kn["BLOCK_N1"]), window * heads_kv * split),
-                         q, k, v, do, lse, delta, dk, dv, dq_acc if dq_acc is not None else dq, cu_qw, cu_kw, *parts,
+                         q, k, v, do, lse, delta, dk, dv, dq_acc if dq_acc is not None else dq, *turns, cu_qw, cu_kw,
+                         *parts,
                          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), stride_lz,
                          stride_lh, heads, heads_kv, n_q, n_k, heads // heads_kv, sm_scale, causal_offset, *score,
                          BLOCK_M=kn["BLOCK_M1"], BLOCK_N=kn["BLOCK_N1"], **common)

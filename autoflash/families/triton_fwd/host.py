@@ -24,9 +24,24 @@ class TritonForward(ForwardFamily):
     def supports(self, q, k, v, o):
         if self.value_dim and self.knobs["LOADS"] == "block_ptr":  # (the value tile is written for the others)
             return "block-pointer loads with a value head dim of its own"
-        if self.paged and self.knobs["LOADS"] != "pointer":
-            return "a paged cache read by tiles (pages are found per key row: pointer loads only)"
+        if self.paged and (reason := self._paged_refusal(k, v)):
+            return reason
         return super().supports(q, k, v, o)
+
+    def _paged_refusal(self, k, v) -> str | None:
+        """Why this paged kernel cannot read these caches ((num_blocks, H_kv, page_size, D) views), or None:
+        pointer loads find a page per key row; TMA loads one tile from one page, through a descriptor
+        over the whole cache (its pages evenly strided)."""
+        if self.knobs["LOADS"] == "pointer":
+            return None
+        if self.knobs["LOADS"] != "tma" or self.knobs.get("WARP_SPECIALIZE"):
+            return "a paged cache is read by pointer loads or by TMA without warp specialization"
+        page = k.shape[2]
+        if page % self.knobs["BLOCK_N"]:
+            return f"TMA reads a key tile of {self.knobs['BLOCK_N']} rows from one page: pages of {page} rows are not"
+        if any(t.stride(0) != page * t.stride(2) for t in (k, v)):
+            return "TMA reads a paged cache as one tensor: its pages must be evenly strided rows"
+        return None
 
     def grid(self, batch: int, heads: int, n_q: int) -> tuple[int, int]:
         blocks_m = triton.cdiv(n_q, self.knobs["BLOCK_M"])
@@ -62,9 +77,10 @@ class TritonForward(ForwardFamily):
         score_args = score_args or NO_SCORE_ARGS
         for first in range(0, batch, per_launch):
             paged = () if block_table is None else (block_table[first:], *block_table.stride())
+            # (N_K: the packed keys, or with pages the cache's rows, the bound of its TMA descriptors)
             self._launch(q4, k4, v4, o4, lse, cu_seqlens_q[first:], cu_seqlens_k[first:], 0, lse.stride(0),
-                         min(per_launch, batch - first), max(max_seqlen_q, 1), k.shape[0], sm_scale, causal, 0,
-                         compile_only, score_args.batch_slice(first), paged=paged)
+                         min(per_launch, batch - first), max(max_seqlen_q, 1), k.shape[0] * (k.shape[1] if self.paged else 1),
+                         sm_scale, causal, 0, compile_only, score_args.batch_slice(first), paged=paged)
             if compile_only:
                 break
 

@@ -173,15 +173,30 @@ def _packed_stand_ins(k_cache, v_cache, total: int):
     return [c.new_empty(1).expand(total, *c.shape[2:]) for c in (k_cache, v_cache)]
 
 
-def _paged_forward(q, k_cache, v_cache, k, v, block_table, cu_seqlens_q, cu_seqlens_k, longest_q: int,
-                   longest_k: int, sm_scale: float, causal: bool):
+# Pages smaller than a TMA key tile are read a row at a time by pointer loads, a kernel that ran at
+# ~0.66x the contiguous call's TMA kernel on an H100 (2026-12-06, 32/8 heads d128, 16-token pages): on
+# long calls a gathered copy (host reads and small kernels of fixed cost, then the TMA kernel) costs
+# less (0.906x at 2048 new queries against 16k cached keys, where pointer loads gave 0.656x), on short
+# ones more (0.519x and 0.535x at 512 x 4k and 1024 x 1k, where pointer loads gave 0.614x and 0.676x).
+# The attention work (4 x D x H x sum of Nq x Nk) above which such pages are gathered:
+POINTER_PAGES_MAX_FLOPS = 5e11
+
+
+def _paged_forward(q, k_cache, v_cache, k, v, block_table, cu_seqlens_q, cu_seqlens_k, cu_q: list, cu_k: list,
+                   sm_scale: float, causal: bool):
     """(out, lse (H, total_q)) of packed queries against paged caches, one launch of the forward kernel
-    rendered to find each key tile's (or row's) page in the block table (no gathered copy). k, v: the
-    packed stand-ins (`_packed_stand_ins`)."""
+    rendered to find each key tile's (or row's) page in the block table (no gathered copy); None where
+    that kernel reads a row at a time and a gathered copy costs less (`POINTER_PAGES_MAX_FLOPS`). k, v:
+    the packed stand-ins (`_packed_stand_ins`); cu_q, cu_k: the offsets as read on the host."""
+    lengths = [(b - a, d - c) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    longest_q, longest_k = max(n for n, _ in lengths), max(n for _, n in lengths)
     out = output_like(q, v)
-    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     kernel = get_dispatcher().varlen_kernel_for(*_packed_views(q, k, v, out), causal, "fwd", longest_q, longest_k,
                                                 pages=(k_cache.transpose(1, 2), v_cache.transpose(1, 2)))
+    work = 4 * q.shape[1] * q.shape[2] * sum(nq * nk for nq, nk in lengths)
+    if kernel.variant.as_dict().get("LOADS") == "pointer" and work > POINTER_PAGES_MAX_FLOPS:
+        return None
+    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     kernel.forward_varlen(q, k_cache, v_cache, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                           longest_q, sm_scale, causal, block_table=block_table)
     return out, lse
@@ -223,12 +238,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     extras = _extras(q, cu_q, dropout_p, window_size, softcap, alibi_slopes)
     if caches is not None:
         if not (training or extras) and q.shape[0] and total_k and _kernels_take(q, k, v, softmax_scale):
-            longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-            longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
-            out, lse = _paged_forward(q, *caches, k, v, block_table, cu_seqlens_q, cu_seqlens_k, longest_q, longest_k,
-                                      softmax_scale_or_default(softmax_scale, q.shape[-1]), causal)
-            return (out, lse, None) if return_lse else out
-        # (gradients, attention variants, dropout, what the kernels refuse: on a gathered copy)
+            served = _paged_forward(q, *caches, k, v, block_table, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k,
+                                    softmax_scale_or_default(softmax_scale, q.shape[-1]), causal)
+            if served is not None:
+                return (*served, None) if return_lse else served[0]
+        # (gradients, attention variants, dropout, what the kernels refuse, long calls on small pages: a copy)
         k, v = _gather_pages(*caches, block_table, cu_seqlens_k, total_k)
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, softmax_scale, causal, extras, return_lse,
                        deterministic)

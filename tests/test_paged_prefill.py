@@ -94,6 +94,26 @@ def test_every_structural_choice_renders_a_paged_twin(i, page):
 
 
 @pytest.mark.interpreter
+def test_long_calls_on_pages_a_tile_cannot_read_gather_them_first(monkeypatch):
+    """Pages smaller than a key tile go through pointer loads, slower than a gathered copy's kernel on
+    long calls: above `POINTER_PAGES_MAX_FLOPS` of attention work such pages are gathered, below it they
+    are read in place (right answers either way)."""
+    lens_q, lens_k, hq, hkv, d = INTERPRETER_CASES[0]
+    q, k, v, _ = packed_inputs(lens_q, lens_k, hq, hkv, d, torch.float32, "cpu", seed=3)
+    want = per_sequence_reference(q, k, v, q, lens_q, lens_k, True, 0.3)[0]
+    gathered = []
+    real_gather = varlen._gather_pages
+    monkeypatch.setattr(varlen, "_gather_pages", lambda *a: gathered.append(1) or real_gather(*a))
+    for limit, page in ((1e30, 5), (0.0, 5)):
+        monkeypatch.setattr(varlen, "POINTER_PAGES_MAX_FLOPS", limit)
+        k_cache, v_cache, table = paged_caches(k, v, lens_k, page)
+        out = autoflash.flash_attn_varlen_func(q, k_cache, v_cache, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                               0.0, 0.3, True, block_table=table)
+        assert rel_error(out, want) <= 1e-5
+        assert len(gathered) == (limit == 0.0)
+
+
+@pytest.mark.interpreter
 def test_a_value_head_dim_of_its_own_reads_pages_too(monkeypatch):
     lens_q, lens_k = (3, 9), (12, 9)
     q, k, _, _ = packed_inputs(lens_q, lens_k, 2, 1, 16, torch.float32, "cpu", seed=5)

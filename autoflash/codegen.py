@@ -291,7 +291,11 @@ class Kernel:
                            (q, k, v, o, lse), outputs=(3, 4), before_launch=ensure_allocator)
 
     def bind_backward(self, q, k, v, o, lse, do, dq, dk, dv, sm_scale: float, causal: bool, causal_offset: int):
-        """As `bind_forward`, for `backward`: `fn(q, k, v, o, lse, do, dq, dk, dv)` or None."""
+        """As `bind_forward`, for `backward`: `fn(q, k, v, o, lse, do, dq, dk, dv)` or None (also for a
+        family whose launches do work outside their kernels: `Family.replayable`)."""
+        if not self.host.replayable:
+            self.backward(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal, causal_offset)
+            return None
         return replay.bind(self.module, lambda: self.backward(q, k, v, o, lse, do, dq, dk, dv, sm_scale, causal,
                                                               causal_offset),
                            (q, k, v, o, lse, do, dq, dk, dv), outputs=(6, 7, 8), before_launch=ensure_allocator)

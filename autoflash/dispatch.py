@@ -273,15 +273,20 @@ class Dispatcher:
     @staticmethod
     def _paged_twin(kernel: Kernel, problem: Problem, device: GPUFingerprint, q, k_pages, v_pages, o) -> Kernel:
         """The packed kernel's variant rendered to read K and V from pages through a block table, without
-        warp specialization: with its TMA loads where the pages allow them (a key tile within a page),
-        else its pointer-load twin (a page per key row); in its family, else the default one."""
+        warp specialization: with its TMA loads where the pages allow them (a key tile within a page: the
+        tile shortened to fit a page where it must), else its pointer-load twin (a page per key row); in
+        its family, else the default one."""
         for variant in (kernel.variant, default_variant(problem.op, problem, device)):
             space = load_space(variant.family)
             if not (families.host_class(variant.family).serves_paged and "pointer" in space.knobs.get("LOADS", ())):
                 continue
             no_ws = {"WARP_SPECIALIZE": False} if "WARP_SPECIALIZE" in space.knobs else {}
             for loads in dict.fromkeys((variant["LOADS"], "pointer")):
-                twin = space.nearest_valid(variant.replace(LOADS=loads, **no_ws), problem, device)
+                wanted, page = variant.replace(LOADS=loads, **no_ws), k_pages.shape[2]
+                if loads == "tma" and page % variant["BLOCK_N"]:  # (a TMA key tile lies within a page)
+                    fitting = [n for n in space.knobs["BLOCK_N"] if page % n == 0 and n < variant["BLOCK_N"]]
+                    wanted = wanted.replace(BLOCK_N=max(fitting)) if fitting else wanted
+                twin = space.nearest_valid(wanted, problem, device)
                 paged = codegen.load(twin, score=kernel.score, value_dim=kernel.value_dim, paged=True)
                 if paged.unsupported(q, k_pages, v_pages, o) is None:
                     return paged

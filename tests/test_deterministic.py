@@ -63,14 +63,15 @@ INTERPRETED_HOPPER = dataclasses.replace(gpu_fingerprint(), cc_major=9, cc_minor
 assert ON_A_GPU.on_gpu and not INTERPRETED_HOPPER.on_gpu
 
 
-@pytest.mark.parametrize("device, mode", [(INTERPRETED_HOPPER, "ordered"), (ON_A_GPU, "separate")],
-                         ids=["interpreter", "gpu"])
-@pytest.mark.parametrize("dq_mode", ["atomic", "tma_reduce"])
+# (the interpreter has no bulk reduce-add: no tma_reduce variant there)
+@pytest.mark.parametrize("device, dq_mode, mode", [(INTERPRETED_HOPPER, "atomic", "ordered"),
+                                                   (ON_A_GPU, "atomic", "separate"), (ON_A_GPU, "tma_reduce", "separate")],
+                         ids=["interpreter-atomic", "gpu-atomic", "gpu-tma_reduce"])
 def test_an_atomic_dq_variant_becomes_a_repeatable_one_with_its_other_knobs(dq_mode, device, mode):
     space = load_space("triton_bwd")
     prob = problem()
     atomic = [v for v in space.valid_variants(prob, device) if v["DQ_MODE"] == dq_mode]
-    assert atomic or (dq_mode == "tma_reduce" and not device.on_gpu)  # (the interpreter has no bulk reduce)
+    assert atomic
     for variant in atomic[:20]:
         fixed = deterministic_variant(variant, prob, device)
         assert fixed["DQ_MODE"] == mode and not space.violations(fixed, prob, device)
@@ -230,6 +231,26 @@ def ordered_kernel(knobs: dict, head_dim_v=None):
     base = {n: c[0] for n, c in bwd.knobs.items()} | {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
                                                         "num_warps": 4, "num_stages": 2, "DQ_MODE": "ordered"}
     return codegen.load(bwd.check_declared(base | knobs), value_dim=head_dim_v is not None)
+
+
+def test_buffered_dq_launches_are_never_replayed(monkeypatch):
+    """The dQ modes that add into a float32 buffer zero it with torch before the kernels and copy dQ out
+    after them, work a direct replay would skip; the ordered one would spin forever on turn counters
+    the replay check poisons. Their backward launches are never bound (the module launches each call)."""
+    from autoflash import codegen, replay
+
+    bound = []
+    monkeypatch.setattr(replay, "bind", lambda module, run, *a, **k: bound.append(1) or run())
+    q, k, v = (rand(1, 2, 37, 16, seed=s) for s in (30, 31, 32))
+    out, lse = torch.zeros_like(q), torch.zeros(1, 2, 37)
+    for mode in ("ordered", "atomic", "separate"):
+        knobs = {"DQ_MODE": mode} | ({"BLOCK_M2": 64, "BLOCK_N2": 32} if mode != "separate" else {})
+        kernel = ordered_kernel(knobs)
+        assert kernel.host.replayable == (mode == "separate")
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        launcher = kernel.bind_backward(q, k, v, out, lse, q, *grads, 0.25, True, 0)
+        assert (launcher is None) and (len(bound) == (mode == "separate"))
+        assert not any(torch.isnan(g).any() for g in grads)  # (the call itself ran)
 
 
 def test_the_ordered_dq_compiles_for_sm90(tmp_path):

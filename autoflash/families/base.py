@@ -75,6 +75,13 @@ class Family(abc.ABC):
         return args.kernel_args()
 
     @property
+    def replayable(self) -> bool:
+        """Whether every launch's work is in its JIT launches, so that `replay` may record and replay
+        them (the replay check would catch the rest, unless the kernels need what the host prepared
+        to finish at all)."""
+        return True
+
+    @property
     def uses_tma(self) -> bool:
         """The kernels read through TMA tensor descriptors (the caller registers Triton's scratch
         allocator and checks the tensors' alignment first)."""

@@ -46,6 +46,13 @@ class TritonBackward(BackwardFamily):
             return "a GQA split with a value head dim of its own"
         return super().supports(q, k, v, o)
 
+    @property
+    def replayable(self) -> bool:
+        # dQ added into a float32 buffer (atomic, tma_reduce, ordered) needs the buffer zeroed by torch
+        # before the kernels and copied out after them: work a replay would skip. And the ordered
+        # dQ's turn counters, poisoned by the replay check, would never come round: it would spin.
+        return self.knobs["DQ_MODE"] == "separate"
+
     def grid(self, blocks: int, heads: int) -> tuple[int, int]:
         return (blocks, heads) if self.knobs["GRID_ORDER"] == "kv_major" else (heads, blocks)
 

@@ -41,6 +41,8 @@ class TritonForward(ForwardFamily):
             return f"TMA reads a key tile of {self.knobs['BLOCK_N']} rows from one page: pages of {page} rows are not"
         if any(t.stride(0) != page * t.stride(2) for t in (k, v)):
             return "TMA reads a paged cache as one tensor: its pages must be evenly strided rows"
+        if k.shape[0] * page >= 2 ** 31:  # (TMA coordinates are 32-bit)
+            return "TMA addresses at most 2**31 rows of a paged cache"
         return None
 
     def grid(self, batch: int, heads: int, n_q: int) -> tuple[int, int]:

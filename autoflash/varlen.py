@@ -15,8 +15,9 @@ sequence by sequence through `flash_attn_func`, which runs dropout (0 < p < 1, n
 dropout kernels, a seed per sequence (`autoflash.dropout`), and the rest in torch with one warning per reason
 (`AUTOFLASH_STRICT=1`: an error). A deterministic backward runs on the packed kernels, in a variant
 without float32 atomics. A paged K/V (`block_table`) is read in place by a forward kernel rendered to find
-each key row's page in the table (inference without attention variants); other paged calls gather the
-pages into packed tensors first.
+each key tile's page in the table (TMA, pages a multiple of the tile) or each key row's (pointer loads),
+for inference without attention variants; other paged calls, and long ones on pages smaller than a
+tile (`POINTER_PAGES_MAX_FLOPS`), gather the pages into packed tensors first.
 """
 
 from __future__ import annotations

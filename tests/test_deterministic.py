@@ -12,7 +12,7 @@ import torch
 
 import autoflash
 from autoflash import api, dispatch
-from autoflash.device import gpu_fingerprint
+from autoflash.device import INTERPRETER_NAME, gpu_fingerprint
 from autoflash.dispatch import DETERMINISTIC_KNOBS, deterministic_variant, get_dispatcher
 from autoflash.fallback import FallbackWarning
 from autoflash.problem import Problem
@@ -59,7 +59,9 @@ def test_every_own_backward_family_declares_its_deterministic_knobs():
 # offers it (in the interpreter; on a GPU only once it has run there), the separate one elsewhere.
 REPEATABLE = {"ordered", "separate"}
 ON_A_GPU = HOPPER
-INTERPRETED_HOPPER = dataclasses.replace(gpu_fingerprint(), cc_major=9, cc_minor=0, smem_per_block=232448)
+# The interpreter's fingerprint with Hopper's numbers (on any machine, a GPU one too): where the ordered dQ is offered.
+INTERPRETED_HOPPER = dataclasses.replace(gpu_fingerprint(), name=f"{INTERPRETER_NAME} (as Hopper)", cc_major=9, cc_minor=0,
+                                         smem_per_block=232448)
 assert ON_A_GPU.on_gpu and not INTERPRETED_HOPPER.on_gpu
 
 

@@ -327,8 +327,9 @@ def _value_dim(q, head_dim_v: int | None) -> int | None:
 # Knob values that make a family's kernels bitwise repeatable, for the families whose space also offers
 # variants that are not: the backward's "atomic" and "tma_reduce" dQ add float32 tiles into one buffer
 # in whatever order the programs reach it, so dQ changes in its last bits from run to run; "ordered"
-# adds them in a fixed order (the last key block down to 0, each waiting for its turn), "separate"
-# computes each dQ tile in one program (dK/dV are always so: the GQA split's partial sums are reduced in a fixed order).
+# adds them in a fixed order (the last key block down to 0, each waiting for its turn),
+# "separate" computes each dQ tile in one program (dK/dV are always so: the GQA split's partial sums
+# are reduced in a fixed order).
 # Each family's alternatives, preferred first: the first its space allows for the problem serves. A
 # family missing here serves deterministic calls as it is: tests/test_deterministic.py holds every
 # backward family to an entry.

@@ -257,17 +257,23 @@ def test_buffered_dq_launches_are_never_replayed(monkeypatch):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("tiles", [(32, 64), (64, 32), (32, 32)], ids=lambda t: f"{t[0]}x{t[1]}")
-@pytest.mark.parametrize("causal, nq, nk", [(True, 130, 130), (True, 161, 97), (True, 97, 203), (False, 111, 150)])
-def test_the_ordered_dq_is_right_in_the_interpreter(tiles, causal, nq, nk):
-    """The turns come round for every query block, whatever the tiles and the causal alignment (each
-    query block's last key block computed from its rows, bottom-right offsets either way): gradients
-    against float64, GQA, each gradient element written (poisoned first)."""
+@pytest.mark.parametrize("causal, nq, nk, offset, knobs", [
+    (True, 130, 130, 0, dict(GRID_ORDER="heavy_first")),
+    (True, 161, 97, -64, dict(GRID_ORDER="kv_major")),  # bottom-right: the first query rows see no key
+    (True, 97, 203, 106, dict(GRID_ORDER="heavy_first", GQA_SPLIT=2)),
+    (True, 97, 203, 0, dict(GRID_ORDER="kv_major")),  # top-left with more keys than queries
+    (False, 111, 150, 0, dict(GRID_ORDER="kv_major"))], ids=["square", "bottom-right-short", "split", "top-left",
+                                                              "full"])
+def test_the_ordered_dq_is_right_in_the_interpreter(tiles, causal, nq, nk, offset, knobs):
+    """The turns come round for every query block, whatever the tiles, the causal alignment (each query
+    block's last key block computed from its rows), the grid order and the GQA split: gradients against
+    float64, each gradient element written (poisoned first). (A turn that never comes hangs the
+    interpreter, which runs the programs one after another in launch order.)"""
     block_m, block_n = tiles
-    kernel = ordered_kernel(dict(LOADS="pointer", GRID_ORDER="heavy_first" if causal else "kv_major",
-                                 BLOCK_M1=block_m, BLOCK_N1=block_n))
+    kernel = ordered_kernel(dict(LOADS="pointer", BLOCK_M1=block_m, BLOCK_N1=block_n, **knobs))
     q, grad = rand(2, 4, nq, 16, seed=30), rand(2, 4, nq, 16, seed=31)
     k, v = rand(2, 2, nk, 16, seed=32), rand(2, 2, nk, 16, seed=33)
-    scale, offset = 0.3, nk - nq
+    scale = 0.3
     from autoflash.reference import reference
 
     out, lse = (t.float() for t in reference(q, k, v, causal, offset, scale))
@@ -275,6 +281,24 @@ def test_the_ordered_dq_is_right_in_the_interpreter(tiles, causal, nq, nk):
     kernel.backward(q, k, v, out, lse, grad, dq, dk, dv, scale, causal, offset)
     for mine, want in zip((dq, dk, dv), reference_grads(q, k, v, grad, causal, offset, scale)):
         assert not torch.isnan(mine).any() and rel_error(mine, want) <= 1e-4
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_ordered_dq_is_right_on_packed_sequences(causal):
+    """Packed sequences: each sequence's own key blocks and causal offset set the turns (ragged lengths,
+    more queries than keys in one), programs past a sequence's end take no turn."""
+    from test_varlen import cu, packed_inputs, per_sequence_reference
+
+    lens_q, lens_k = [37, 150, 90], [70, 41, 133]
+    kernel = ordered_kernel(dict(LOADS="pointer", GRID_ORDER="heavy_first", BLOCK_M1=32, BLOCK_N1=64))
+    q, k, v, grad = packed_inputs(lens_q, lens_k, 4, 2, 16, torch.float32, "cpu", seed=40)
+    out, lse, want = per_sequence_reference(q, k, v, grad, lens_q, lens_k, causal, 0.3)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    kernel.backward_varlen(q, k, v, out.float(), lse.float(), grad, *grads, cu(lens_q), cu(lens_k), max(lens_q),
+                           max(lens_k), 0.3, causal)
+    for mine, ref in zip(grads, want):
+        assert not torch.isnan(mine).any() and rel_error(mine, ref) <= 1e-4
 
 
 def test_the_ordered_dq_compiles_for_sm90(tmp_path):

@@ -54,7 +54,9 @@ def test_attention_matches_torch_sdpa(d, dv, n_q, n_k, heads_kv, group, causal, 
     assert _err(mine, exact) <= max(2 * _err(theirs, exact), 1e-6)
     for g_mine, g_theirs, g_exact in zip(_grads(mine, (q, k, v), grad), _grads(theirs, (q, k, v), grad),
                                          _grads(exact, (q, k, v), grad.double())):
-        assert _err(g_mine, g_exact) <= max(3 * _err(g_theirs, g_exact), 1e-6)
+        # (the floor: with one key torch's dQ and dK are exactly zero, the kernels' the rounding of
+        # dP - delta, two float32 sums over the value head dim that agree only to ~1e-6 of unit inputs)
+        assert _err(g_mine, g_exact) <= max(3 * _err(g_theirs, g_exact), 1e-5)
 
 
 def _reference_fa(q, k, v, causal):

@@ -149,16 +149,22 @@ def torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     its refusals are torch's, whatever backend torch picks for them."""
     import torch.nn.functional as F
 
-    # (see sdpa_attention: NaN from the default backend). Only with a dropout in [0, 1]: the math
-    # backend takes a negative or NaN dropout as none, where the default one refuses it (torch decides).
-    if scale is not None and not _positive(scale) and _in_unit_interval(dropout_p):
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+    # (see sdpa_attention: NaN from the default backend for a scale <= 0). Then the math backend's
+    # answer, the definition; only with a dropout in [0, 1] (the math backend takes a negative or NaN
+    # dropout as none, where the default one refuses it), and torch's own answer stands where the math
+    # backend refuses what the default one took (an explicit mask with is_causal).
+    if scale is not None and not _positive(scale) and _in_unit_interval(dropout_p) and out.isnan().any():
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                                  enable_gqa=enable_gqa)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                          enable_gqa=enable_gqa)
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                      scale=scale, enable_gqa=enable_gqa)
+        except RuntimeError:
+            pass
+    return out
 
 
 def _in_unit_interval(p) -> bool:

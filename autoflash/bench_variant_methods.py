@@ -23,8 +23,24 @@ def _compiled_flex(mode: str | None):
         return eager
     cache = _compiled_flex.__dict__.setdefault("cache", {})
     if mode not in cache:
+        _allow_recompiles()
         cache[mode] = torch.compile(flex_attention, dynamic=False, **({} if mode == "default" else {"mode": mode}))
     return cache[mode]
+
+
+def _allow_recompiles():
+    """Every case (its shapes, its block mask's mask_mod) compiles flex_attention again, and both modes
+    compile the same code object: past dynamo's recompile limit (8) torch runs flex_attention uncompiled,
+    materializing the scores (32 GiB at 16k tokens and 32 heads), with a warning only. Ten compiles are
+    needed here; a limit hit raises rather than timing the eager path."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # (the older name, an alias on newer torch)
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 64))
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        config.fail_on_recompile_limit_hit = True
 
 
 def _block_mask(case, ids, device):

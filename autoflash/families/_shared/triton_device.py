@@ -57,6 +57,51 @@ def packed_sequence(CU_Q, CU_K, off_z):
     return q_start, k_start, N_Q, N_K
 
 
+@triton.jit
+def sequence_rows(CU_Q, CU_K, off_z, N_Q, N_K, causal_offset, VARLEN: tl.constexpr):
+    """The rows batch entry off_z attends with: (q_start, k_start, N_Q, N_K, causal_offset). Packed
+    sequences (VARLEN): their first rows and lengths (packed_sequence), the causal mask bottom-right
+    per sequence as flash-attn's varlen. Dense: starts 0 (unused: head_offset steps by the batch
+    stride), the lengths and offset as given."""
+    if VARLEN:
+        q_start, k_start, N_Q, N_K = packed_sequence(CU_Q, CU_K, off_z)
+        causal_offset = N_K - N_Q
+    else:
+        q_start = off_z * 0
+        k_start = off_z * 0
+    return q_start, k_start, N_Q, N_K, causal_offset
+
+
+@triton.jit
+def head_offset(off_z, row_start, off_h, stride_z, stride_row, stride_h, VARLEN: tl.constexpr):
+    """Where head off_h of batch entry off_z starts in a tensor, in elements: packed sequences
+    (VARLEN) start at their first row (the batch stride unused), dense tensors at their batch."""
+    if VARLEN:
+        offset = row_start * stride_row + off_h * stride_h
+    else:
+        offset = off_z * stride_z + off_h * stride_h
+    return offset
+
+
+@triton.jit
+def load_rows(BASE, offs, n, stride_row, offs_col, stride_col, n_cols):
+    """A tile of rows `offs` (below n) and columns `offs_col` (below n_cols) by pointers, zero
+    outside, and its mask (the stores of the tile's gradients reuse it)."""
+    mask = (offs[:, None] < n) & (offs_col[None, :] < n_cols)
+    tile = tl.load(BASE + offs[:, None].to(tl.int64) * stride_row + offs_col[None, :] * stride_col, mask=mask, other=0.0)
+    return tile, mask
+
+
+@triton.jit
+def pair_bases(A, B, off_z, row_start, off_h, stride_az, stride_arow, stride_ah, stride_bz, stride_brow, stride_bh,
+               VARLEN: tl.constexpr):
+    """The base pointers of head off_h of two tensors whose rows go together (K and V, dK and dV),
+    as head_offset's."""
+    a = A + head_offset(off_z, row_start, off_h, stride_az, stride_arow, stride_ah, VARLEN)
+    b = B + head_offset(off_z, row_start, off_h, stride_bz, stride_brow, stride_bh, VARLEN)
+    return a, b
+
+
 # Philox rounds of the dropout draws: 7, as flash-attn's kernels (Philox4x32-7 passes TestU01's
 # BigCrush, Salmon et al. 2011; 10 is Triton's default margin). Each draw gives four 32-bit words.
 DROPOUT_PHILOX_ROUNDS = tl.constexpr(7)

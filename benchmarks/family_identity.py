@@ -351,6 +351,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-run", action="store_true", help="compare the device code only")
     parser.add_argument("--jobs", type=int, default=0,
                         help="worker processes (default: 8 with --gpu, else 1)")
+    parser.add_argument("--ptx", action="store_true",
+                        help="also compile both kernels of every Triton variant whose device code differs for sm90 "
+                             "here and compare their Triton IR and PTX (what the GPU runs; a CPU machine can)")
     parser.add_argument("--write-baseline", action="store_true", help="freeze the earlier templates from git")
     parser.add_argument("--ttir-index", type=int, help=argparse.SUPPRESS)  # (the clean child of a TTIR check)
     parser.add_argument("--write-replaces", action="store_true",
@@ -377,14 +380,14 @@ def main(argv=None) -> int:
     start = time.time()
     jobs = max(1, min(args.jobs, len(variants)))
     if jobs == 1:
-        results = [check_variant(i, *v, args.gpu, args.no_run) for i, v in enumerate(variants)]
+        results = [check_variant(i, *v, args.gpu, args.no_run, args.ptx) for i, v in enumerate(variants)]
     else:  # variants split over worker processes (spawned: CUDA), compiling in parallel on one GPU
         import concurrent.futures
         import multiprocessing
 
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(_check_share, [(i, *v) for i, v in enumerate(variants) if i % jobs == w],
-                                   args.gpu, args.no_run, dict(os.environ)) for w in range(jobs)]
+                                   args.gpu, args.no_run, dict(os.environ), args.ptx) for w in range(jobs)]
             results = sorted((row for f in futures for row in f.result()), key=lambda r: r["index"])
     count = lambda key, value: sum(r.get(key) == value for r in results)  # noqa: E731
     summary = {"variants": len(results), "device_code_identical": count("device_code", "identical"),
@@ -393,7 +396,7 @@ def main(argv=None) -> int:
                "errors": count("outputs", "error"),
                "gluon_launch_args_identical": count("gluon_launch_args", "identical"),
                "ttir_sm90_identical": count("ttir_sm90", "identical") + count("ttir_sm90", "identical PTX"), "not_run": count("outputs", "not run") + count("outputs", "skipped"),
-               "mode": "gpu" if args.gpu else "cpu-interpreter", "seconds": round(time.time() - start, 1),
+               "mode": "gpu" if args.gpu else ("cpu-interpreter + sm90 IR/PTX compiled" if args.ptx else "cpu-interpreter"), "seconds": round(time.time() - start, 1),
                "torch": torch.__version__, "baseline_commit": BASELINE_COMMIT,
                "device": torch.cuda.get_device_name() if args.gpu else "cpu"}
     if args.out:
@@ -406,7 +409,7 @@ def main(argv=None) -> int:
     return 1 if summary["outputs_differ"] or summary["errors"] or unproven else 0
 
 
-def check_variant(i, where, variant, problem, gpu: bool, no_run: bool) -> dict:
+def check_variant(i, where, variant, problem, gpu: bool, no_run: bool, ptx: bool = False) -> dict:
     """One variant: its device code, and its outputs (or, where they cannot run here, its Gluon
     launch arguments / sm90 Triton IR), earlier template against today's family."""
     from autoflash import codegen
@@ -434,6 +437,9 @@ def check_variant(i, where, variant, problem, gpu: bool, no_run: bool) -> dict:
             row.update(outputs="not run" if limit else "error", error=f"{type(e).__name__}: {e}"[:500])
             if limit and row["device_code"] != "identical":
                 row["ttir_sm90"] = _ttir_in_clean_process(i)
+    if ptx and "ttir_sm90" not in row and row["device_code"] != "identical" and variant.op in ("fwd", "bwd") \
+            and not variant.family.startswith("gluon"):  # (ttir_same launches forward and backward kernels)
+        row["ttir_sm90"] = _ttir_in_clean_process(i)  # (what the GPU would run, compiled here)
     print(f"[{i + 1}] {variant.family} {problem.key} {variant.short()}: device code "
           f"{row['device_code']}, outputs {row['outputs']}"
           + (f", Gluon launch {row['gluon_launch_args']}" if "gluon_launch_args" in row else "")
@@ -470,10 +476,10 @@ def _ttir_of_index(index: int) -> str:
         return f"error: {type(e).__name__}: {e}"[:300]
 
 
-def _check_share(share, gpu: bool, no_run: bool, environ: dict) -> list[dict]:
+def _check_share(share, gpu: bool, no_run: bool, environ: dict, ptx: bool = False) -> list[dict]:
     """A worker process's variants (its environment as the parent's: the interpreter flag, caches)."""
     os.environ.update(environ)
-    return [check_variant(*item, gpu, no_run) for item in share]
+    return [check_variant(*item, gpu, no_run, ptx) for item in share]
 
 
 def _same(row) -> bool:

@@ -165,9 +165,9 @@ class TritonBackward(BackwardFamily):
                 else:
                     call(kernels._bwd_dkdv, self.grid(triton.cdiv(n_k, kn["BLOCK_N1"]), window * heads_kv * split),
                          q, k, v, do, lse, delta, dk, dv, dq_acc if dq_acc is not None else dq, *turns, cu_qw, cu_kw,
+                         *parts,
                          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), stride_lz,
                          stride_lh, heads, heads_kv, n_q, n_k, heads // heads_kv, sm_scale, causal_offset, *score,
-                         *parts,
                          BLOCK_M=kn["BLOCK_M1"], BLOCK_N=kn["BLOCK_N1"], **common)
             if kn["DQ_MODE"] == "separate":
                 call(kernels._bwd_dq, self.grid(triton.cdiv(n_q, kn["BLOCK_M2"]), window * heads),

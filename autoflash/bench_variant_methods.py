@@ -6,6 +6,7 @@ why it is not run (a mask that would not fit in memory, FlexAttention missing or
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -23,24 +24,27 @@ def _compiled_flex(mode: str | None):
         return eager
     cache = _compiled_flex.__dict__.setdefault("cache", {})
     if mode not in cache:
-        _allow_recompiles()
         cache[mode] = torch.compile(flex_attention, dynamic=False, **({} if mode == "default" else {"mode": mode}))
     return cache[mode]
 
 
-def _allow_recompiles():
-    """Every case (its shapes, its block mask's mask_mod) compiles flex_attention again, and both modes
-    compile the same code object: past dynamo's recompile limit (8) torch runs flex_attention uncompiled,
-    materializing the scores (32 GiB at 16k tokens and 32 heads), with a warning only. Ten compiles are
-    needed here; a limit hit raises rather than timing the eager path."""
+@contextlib.contextmanager
+def compile_limits():
+    """Around a run of the variant cases: every case (its shapes, its block mask's mask_mod) compiles
+    flex_attention again, and both modes compile the same code object, so a run needs up to 20
+    compiles of it. Past dynamo's recompile limit (8) torch runs flex_attention uncompiled,
+    materializing the scores (32 GiB at 16k tokens and 32 heads), with a warning only: the limit is
+    raised, and a hit raises instead (unless dynamo is told to suppress errors, which excludes that).
+    Dynamo reads these settings when a call compiles: scoped to the run, restored after it."""
     import torch._dynamo
 
     config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # (the older name, an alias on newer torch)
-        if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), 64))
-    if hasattr(config, "fail_on_recompile_limit_hit"):
-        config.fail_on_recompile_limit_hit = True
+    patch = {name: max(getattr(config, name), 64) for name in ("recompile_limit", "cache_size_limit")
+             if hasattr(config, name)}  # (the older name, an alias on newer torch)
+    if hasattr(config, "fail_on_recompile_limit_hit") and not getattr(config, "suppress_errors", False):
+        patch["fail_on_recompile_limit_hit"] = True
+    with config.patch(patch):
+        yield
 
 
 def _block_mask(case, ids, device):

@@ -233,53 +233,63 @@ def run_variants(cases, fwdbwd: bool = False, rounds: int = 3, rep_ms: float = 1
     """Rows {case fields, impl, ms, fwd_tflops or fwdbwd_tflops, err, note, compiled} per (case, method);
     methods skipped, refused or wrong have ms None and say why in `note`."""
     from autoflash import bench_variant_methods
-    from autoflash.bench import timed_round
 
     device = torch.device(device)
     metric = "fwdbwd_tflops" if fwdbwd else "fwd_tflops"
     rows = []
-    for case in cases:
-        if progress:
-            progress(case.label())
-        t = _inputs(case, device, fwdbwd)
-        ids = case.document_ids(device) if case.variant == "documents" else None
-        grad = torch.randn(t["bnhd"][0].shape, generator=torch.Generator(device=device).manual_seed(1),
-                           device=device).to(case.torch_dtype)
-        sampled = _rows(case, device)
-        ref = _reference(case, t, ids, sampled, grad, fwdbwd)
-        notes, errs, timed = {}, {}, {}
-        methods = bench_variant_methods.methods(case, t, ids, device, fwdbwd)
-        for name, method in methods.items():
-            if isinstance(method, str):
-                notes[name] = method
-                continue
-            layout, call = method
-            try:
-                with _strict(name.startswith("autoflash")):  # a torch fallback raises: never timed as autoflash
-                    errs[name] = _check(case, layout, call, t, sampled, grad, ref, fwdbwd)
-            except Exception as e:  # a backend that refuses the case, or runs out of memory
-                notes[name] = bench_variant_methods.refused(e)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            if not errs[name] <= ERR_LIMIT:
-                notes[name] = f"wrong: relative error {errs[name]:.3g} (limit {ERR_LIMIT})"
-                continue
-            timed[name] = _timed_fn(layout, call, t, grad, fwdbwd)
-        samples = {name: [] for name in timed}
-        for r in range(rounds):
-            for name, ms in timed_round(timed, device, rep_ms, r).items():
-                samples[name].append(ms)
-        fields = dataclasses.asdict(case)
-        for name in methods:
-            ms = statistics.median(samples[name]) if samples.get(name) else None
-            tflops = case.flops(fwdbwd) / (ms * 1e-3) / 1e12 if ms else None
-            rows.append({**fields, "impl": name, "ms": ms, metric: float(f"{tflops:.4g}") if tflops else None,
-                         "err": errs.get(name), "note": notes.get(name, ""), "visible_pairs": case.visible_pairs(),
-                         "compiled": device.type == "cuda" if name.startswith("flex") else None})
-        del t, grad, ref, methods, timed  # (the masks and inputs of this case, before the next one's)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    with bench_variant_methods.compile_limits():
+        for case in cases:
+            rows += _run_case(case, fwdbwd, rounds, rep_ms, device, metric, progress)
+    return rows
+
+
+def _run_case(case, fwdbwd: bool, rounds: int, rep_ms: float, device, metric: str, progress) -> list[dict]:
+    """One case's rows: every method checked on sampled rows, then the right ones timed, interleaved."""
+    from autoflash import bench_variant_methods
+    from autoflash.bench import timed_round
+
+    rows = []
+    if progress:
+        progress(case.label())
+    t = _inputs(case, device, fwdbwd)
+    ids = case.document_ids(device) if case.variant == "documents" else None
+    grad = torch.randn(t["bnhd"][0].shape, generator=torch.Generator(device=device).manual_seed(1),
+                       device=device).to(case.torch_dtype)
+    sampled = _rows(case, device)
+    ref = _reference(case, t, ids, sampled, grad, fwdbwd)
+    notes, errs, timed = {}, {}, {}
+    methods = bench_variant_methods.methods(case, t, ids, device, fwdbwd)
+    for name, method in methods.items():
+        if isinstance(method, str):
+            notes[name] = method
+            continue
+        layout, call = method
+        try:
+            with _strict(name.startswith("autoflash")):  # a torch fallback raises: never timed as autoflash
+                errs[name] = _check(case, layout, call, t, sampled, grad, ref, fwdbwd)
+        except Exception as e:  # a backend that refuses the case, or runs out of memory
+            notes[name] = bench_variant_methods.refused(e)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        if not errs[name] <= ERR_LIMIT:
+            notes[name] = f"wrong: relative error {errs[name]:.3g} (limit {ERR_LIMIT})"
+            continue
+        timed[name] = _timed_fn(layout, call, t, grad, fwdbwd)
+    samples = {name: [] for name in timed}
+    for r in range(rounds):
+        for name, ms in timed_round(timed, device, rep_ms, r).items():
+            samples[name].append(ms)
+    fields = dataclasses.asdict(case)
+    for name in methods:
+        ms = statistics.median(samples[name]) if samples.get(name) else None
+        tflops = case.flops(fwdbwd) / (ms * 1e-3) / 1e12 if ms else None
+        rows.append({**fields, "impl": name, "ms": ms, metric: float(f"{tflops:.4g}") if tflops else None,
+                     "err": errs.get(name), "note": notes.get(name, ""), "visible_pairs": case.visible_pairs(),
+                     "compiled": device.type == "cuda" if name.startswith("flex") else None})
+    del t, grad, ref, methods, timed  # (the masks and inputs of this case, before the next one's)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -149,22 +149,24 @@ def torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     its refusals are torch's, whatever backend torch picks for them."""
     import torch.nn.functional as F
 
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                         enable_gqa=enable_gqa)
-    # (see sdpa_attention: NaN from the default backend for a scale <= 0). Then the math backend's
-    # answer, the definition; only with a dropout in [0, 1] (the math backend takes a negative or NaN
-    # dropout as none, where the default one refuses it), and torch's own answer stands where the math
-    # backend refuses what the default one took (an explicit mask with is_causal).
-    if scale is not None and not _positive(scale) and _in_unit_interval(dropout_p) and out.isnan().any():
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    def call():
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
 
-        try:
-            with sdpa_kernel(SDPBackend.MATH):
-                return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
-                                                      scale=scale, enable_gqa=enable_gqa)
-        except RuntimeError:
-            pass
-    return out
+    if scale is None or _positive(scale) or not _in_unit_interval(dropout_p):
+        return call()
+    # A scale <= 0 (see sdpa_attention: NaN from the default backend with a causal mask): the math
+    # backend's answer, the definition. Only with a dropout in [0, 1]: the math backend takes a negative
+    # or NaN dropout as none, where the default one refuses it. The math backend refuses an explicit mask
+    # with is_causal, which the default one takes for such a scale: there torch's own answer (or refusal)
+    # stands. (No look at the answer: no device sync, so CUDA graphs capture this path as torch's.)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            return call()
+    except RuntimeError:
+        return call()
 
 
 def _in_unit_interval(p) -> bool:

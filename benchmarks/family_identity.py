@@ -485,6 +485,8 @@ def _check_share(share, gpu: bool, no_run: bool, environ: dict, ptx: bool = Fals
 def _same(row) -> bool:
     """Shown identical: outputs bit for bit, else (not run here) the device code or its Triton IR."""
     not_run = row["outputs"] in ("not run", "skipped")
+    if row.get("ttir_sm90", "identical").startswith(("differ", "error")):
+        return False  # (compiled for sm90 and not shown the same: interpreter outputs alone do not show it)
     return row.get("gluon_launch_args", "identical") == "identical" and (
         row["outputs"] in ("identical", "identical but for atomic order")
         or (not_run and (row["device_code"] == "identical" or row.get("ttir_sm90") in ("identical", "identical PTX"))))

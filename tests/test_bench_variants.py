@@ -137,3 +137,21 @@ def test_an_autoflash_method_that_falls_back_to_torch_is_not_timed_under_its_nam
     row = next(r for r in rows if r["impl"] == "autoflash")
     assert row["ms"] is None and "FallbackError" in row["note"], row
     assert next(r for r in rows if r["impl"] == "sdpa-mask")["ms"] > 0  # (the others still timed)
+
+
+def test_flex_recompiles_are_allowed_for_the_run_only_and_a_limit_hit_raises():
+    """Ten compiles of flex_attention (five cases, two modes) must not pass dynamo's recompile limit,
+    where torch would run it uncompiled (the scores materialized); the settings are the run's alone."""
+    import torch._dynamo
+
+    from autoflash.bench_variant_methods import compile_limits
+
+    config = torch._dynamo.config
+    before = (config.recompile_limit, config.fail_on_recompile_limit_hit)
+    with compile_limits():
+        assert config.recompile_limit >= 20
+        assert config.fail_on_recompile_limit_hit
+    assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
+    with config.patch(suppress_errors=True), compile_limits():  # (dynamo refuses both at once)
+        assert not config.fail_on_recompile_limit_hit
+        assert torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2)).tolist() == [2.0, 2.0]

@@ -153,20 +153,22 @@ def torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
 
-    if scale is None or _positive(scale) or not _in_unit_interval(dropout_p):
-        return call()
-    # A scale <= 0 (see sdpa_attention: NaN from the default backend with a causal mask): the math
-    # backend's answer, the definition. Only with a dropout in [0, 1]: the math backend takes a negative
-    # or NaN dropout as none, where the default one refuses it. The math backend refuses an explicit mask
-    # with is_causal, which the default one takes for such a scale: there torch's own answer (or refusal)
-    # stands. (No look at the answer: no device sync, so CUDA graphs capture this path as torch's.)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    out = call()
+    # torch's CPU flash kernel answers NaN where the definition does not (a scale <= 0 with a causal
+    # mask, +inf; torch 2.11-2.13): where it answers NaN, the math backend's answer, the definition.
+    # Only with a dropout in [0, 1] (the math backend takes a negative or NaN dropout as none, where the
+    # default one refuses it), and torch's own answer stands where the math backend refuses what the
+    # default one took (an explicit mask with is_causal). On the CPU only: looking at the answer is free
+    # there (on a GPU it would sync, and CUDA graphs capture torch's path as it is).
+    if query.device.type == "cpu" and _in_unit_interval(dropout_p) and out.isnan().any():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            return call()
-    except RuntimeError:
-        return call()
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                return call()  # (a dropout draws again: its first answer was NaN)
+        except RuntimeError:
+            pass
+    return out
 
 
 def _in_unit_interval(p) -> bool:
@@ -174,15 +176,6 @@ def _in_unit_interval(p) -> bool:
         return 0.0 <= float(p) <= 1.0
     except (TypeError, ValueError, RuntimeError):
         return False
-
-
-def _positive(scale) -> bool:
-    """Whether a scale of any kind torch takes (a numpy complex scalar included) is a number > 0;
-    True for one `float` cannot read: torch then decides."""
-    try:
-        return float(getattr(scale, "real", scale)) > 0
-    except (TypeError, ValueError, RuntimeError):
-        return True
 
 
 def sdpa_grads(q, k, v, grad, causal, offset, scale, score=None):

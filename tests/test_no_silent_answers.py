@@ -115,6 +115,8 @@ ARG_VALUES = st.sampled_from([None, True, False, 0, 1, 0.0, 0.5, 2, -1.0, float(
 @example(is_causal=True, enable_gqa=True, scale=False, dropout_p=0.0, heads_kv=1, with_mask=False, strided=False)
 # (the default backend takes an explicit mask with is_causal for a scale <= 0; the math backend refuses it)
 @example(is_causal=True, enable_gqa=True, scale=False, dropout_p=False, heads_kv=1, with_mask=True, strided=False)
+# (a NaN scale: torch's default backend answers 0, its math backend NaN: torch's answer)
+@example(is_causal=True, enable_gqa=True, scale=float("nan"), dropout_p=False, heads_kv=1, with_mask=False, strided=False)
 def test_what_torch_refuses_autoflash_refuses(is_causal, enable_gqa, scale, dropout_p, heads_kv, with_mask, strided):
     """A differential test: any call torch refuses is refused here too; any call torch answers gets its answer."""
     q = rand(1, 2, 6, 8, seed=7)

@@ -168,24 +168,25 @@ def test_the_window_loop_visits_only_the_band(offset, window, poisoned):
 # ----------------------------------------------------------------------------- plain kernels, keys, winners
 # sha256[:16] of the rendered source of plain variants: a score-variant (or any other) template edit that
 # changes a plain kernel's source shows here. Taken before the variants' hooks existed, renewed when the
-# shared parts became device functions (sm90 PTX and the interpreter's outputs unchanged): the stored
+# shared parts became device functions and again when the kernels' prologue did (sm90 PTX and the
+# interpreter's outputs unchanged, docs/results/2026-12-07-family-prologue.md): the stored
 # winners of plain problems name these kernels through the families' replaces.toml records.
 PLAIN_RENDERINGS = [
     ("triton_fwd", {"BLOCK_M": 128, "BLOCK_N": 64, "GRID_ORDER": "m_major", "HEAD_SPLIT": False, "KV_ORDER": "ascending",
                     "LOADS": "tma", "MASK_MODE": "split", "WARP_SPECIALIZE": False, "num_stages": 3, "num_warps": 4},
-     "4cefdc5ed7e4f8d7"),
+     "edcec96fcc4af89b"),
     ("triton_fwd", {"BLOCK_M": 64, "BLOCK_N": 32, "GRID_ORDER": "heavy_first", "HEAD_SPLIT": True,
                     "KV_ORDER": "diagonal_first", "LOADS": "pointer", "MASK_MODE": "split", "WARP_SPECIALIZE": False,
-                    "num_stages": 2, "num_warps": 4}, "bf346599b868a3ba"),
+                    "num_stages": 2, "num_warps": 4}, "95f803dd3c8cb789"),
     ("triton_fwd", {"BLOCK_M": 128, "BLOCK_N": 128, "GRID_ORDER": "bh_major", "HEAD_SPLIT": False, "KV_ORDER": "ascending",
                     "LOADS": "block_ptr", "MASK_MODE": "single_loop", "WARP_SPECIALIZE": False, "num_stages": 4,
-                    "num_warps": 8}, "bcf5c093cedb8587"),
+                    "num_warps": 8}, "9e8f18130dd55ff4"),
     ("triton_fwd", {"BLOCK_M": 128, "BLOCK_N": 64, "GRID_ORDER": "m_major", "HEAD_SPLIT": False, "KV_ORDER": "ascending",
                     "LOADS": "tma", "MASK_MODE": "split", "WARP_SPECIALIZE": True, "num_stages": 3, "num_warps": 8},
-     "4d278930af8b4748"),
+     "c4b4bd505918ba75"),
     ("triton_bwd", {"BLOCK_M1": 64, "BLOCK_M2": 64, "BLOCK_N1": 64, "BLOCK_N2": 64, "DKDV_KERNEL": "triton",
                     "DQ_MODE": "separate", "DQ_OVERLAP": "serial", "GQA_SPLIT": 1, "GRID_ORDER": "kv_major",
-                    "LOADS": "tma", "num_stages": 2, "num_warps": 4}, "05e7d769a475354c"),
+                    "LOADS": "tma", "num_stages": 2, "num_warps": 4}, "344885555e2804fb"),
 ]
 
 

@@ -33,6 +33,10 @@ from autoflash.tuning.results import ProblemResult
 from autoflash.tuning.storage import MEASURING_ATTR, OWNER_ATTR, STATUS_ATTR, Liveness, grace_s, pid_alive
 from autoflash.tuning.tuner import Tuner
 
+# How long an earlier trial of the same variant, asked by another worker but not yet adopted, is
+# waited for before this worker measures the variant itself (that worker may have died in between).
+ADOPTION_WAIT_S = 30.0
+
 log = logging.getLogger("autoflash.tuning")
 # Optuna's heartbeat is meant for Study.optimize; here each worker beats its asked trials itself.
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
@@ -169,8 +173,11 @@ class SharedTuner(Tuner):
     @staticmethod
     def _measured_elsewhere(study, number: int, key: str) -> bool:
         """An earlier trial of the same variant, measured or being measured (by any worker). One
-        just asked by another worker, not yet in its batch nor told, is watched for a moment."""
-        for _ in range(20):
+        just asked by another worker, not yet in its batch nor told, is watched until it is (or is
+        given up): its asker adopts it within milliseconds, but on a loaded host (two tuners and
+        their compile workers on two cores) a second went by, and both measured it."""
+        deadline = time.monotonic() + ADOPTION_WAIT_S
+        while time.monotonic() < deadline:
             trials = study.get_trials(deepcopy=False)
             dead = {n for t in trials for n in t.system_attrs.get("retry_history", [])}  # (queued again)
             same = [t for t in trials

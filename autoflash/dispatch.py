@@ -9,6 +9,7 @@ registered with `set_miss_hook`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -123,7 +124,8 @@ class Dispatcher:
                own_only: bool = False) -> tuple[Variant, str]:
         """(variant, why): a tuned vendor winner as it is; otherwise SDPA-cuDNN unless the measured
         evidence says the own kernels are faster here (`serving_policy`); then the own winner (exact or
-        nearest bucket), else the built-in default."""
+        nearest bucket); for attention variants nothing was tuned for, the plain problem's own winner
+        where it computes them (`plain_twin`); else the built-in default."""
         table = self.winners(device, device_index)
         tuned, how = table.lookup(problem, own_only)
         if not own_only and not (tuned is not None and load_space(tuned.family).vendor):
@@ -136,11 +138,33 @@ class Dispatcher:
         if tuned is not None:
             log.debug("autoflash: %s -> tuned winner (%s)", problem.key, how)
             return tuned, how
+        twin = self.plain_twin(problem, device, table)
+        if twin is not None:
+            return twin
         if not table.rows and device.key not in self._told_untuned:
             self._told_untuned.add(device.key)
             log.info("autoflash: no tuned kernels for %s; using built-in defaults (run `autoflash tune`)",
                      device.name)
         return default_variant(problem.op, problem, device), "default"
+
+    @staticmethod
+    def plain_twin(problem: Problem, device: GPUFingerprint, table: WinnerTable) -> tuple[Variant, str] | None:
+        """(variant, why) for a problem with attention variants (window, softcap, ...) nothing was tuned
+        for: the own winner of the same problem without them, where its family computes them and the
+        variant is valid with them. That kernel was measured fastest for the shape; the variants change
+        which blocks it visits and its softmax, not what its tiles and schedule are good at. None: the
+        default serves."""
+        if not problem.score_variant:
+            return None
+        plain, how = table.lookup(dataclasses.replace(problem, score_variant=None), own_only=True)
+        if plain is None:
+            return None
+        space = load_space(plain.family)
+        if (space.vendor or not families.host_class(plain.family).computes(ScoreVariant.from_key(problem.score_variant))
+                or space.violations(plain, problem, device)):
+            return None
+        log.debug("autoflash: %s -> the plain problem's winner (%s)", problem.key, how)
+        return plain, f"the plain problem's winner ({how})"
 
     def serving_variant(self, problem: Problem, device: GPUFingerprint) -> Variant:
         """`variant_for` remembered per problem (one dict lookup per call)."""
@@ -266,7 +290,7 @@ class Dispatcher:
             return codegen.load(variant)
         if not load_space(variant.family).vendor:
             host = families.host_class(variant.family)
-            if (score.plain or host.serves_score_variants) and (not value_dim or host.serves_value_dim):
+            if host.computes(score) and (not value_dim or host.serves_value_dim):
                 return codegen.load(variant, score=score, value_dim=value_dim)
         return codegen.load(default_variant(problem.op, problem, device), score=score, value_dim=value_dim)
 

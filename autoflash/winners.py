@@ -85,7 +85,7 @@ class WinnerTable:
                 if row["template_hash"] != codegen.template_hash(family) and isinstance(knobs, dict):
                     knobs = {**space.legacy, **knobs}  # a row of an earlier space or template (`replaces`)
                 variant = space.validate(knobs, problem, self.device)
-                if problem.score_variant and not serves_score_variants(family):
+                if problem.score_variant and not computes_score_variant(family, problem.score_variant):
                     raise InvalidVariant(f"{family} computes no attention variants ({problem.score_variant})")
             except (InvalidVariant, ValueError, KeyError, TypeError) as e:
                 warnings.warn(f"autoflash: rejected winner for {row.get('problem')!r} in {path}: {e}",
@@ -140,11 +140,12 @@ class WinnerTable:
         return best[1], f"nearest ({best[0]})", origins[best[0]]
 
 
-def serves_score_variants(family: str) -> bool:
-    """Whether the family renders attention variants (`score_variant`) into its kernels."""
+def computes_score_variant(family: str, key: str) -> bool:
+    """Whether the family renders the attention variants of problem key segment `key` into its kernels."""
     from autoflash import families
+    from autoflash.score_variant import ScoreVariant
 
-    return not load_space(family).vendor and families.host_class(family).serves_score_variants
+    return not load_space(family).vendor and families.host_class(family).computes(ScoreVariant.from_key(key))
 
 
 # A winner serves a problem of another occupancy bucket at most this many buckets (factors of 2 in

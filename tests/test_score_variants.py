@@ -245,8 +245,9 @@ def _db(path, rows):
 
 
 def test_winners_are_kept_and_served_per_variant(tmp_path):
-    """A variant's winner serves that variant only (exact or nearest bucket); a variant with no winner
-    gets the family default, never a plain winner (or another variant's) across the kinds."""
+    """A variant's winner serves that variant only (exact or nearest bucket), never another variant; a
+    variant with no winner gets the plain problem's own winner rendered with it (the kernel measured
+    fastest for the shape), where that is valid with the variant; without one, the family default."""
     device = gpu_fingerprint()
     plain = Problem("fwd", "float32", 64, True, 2, 1024, 1024)
     windowed = dataclasses.replace(plain, score_variant="window")
@@ -263,8 +264,15 @@ def test_winners_are_kept_and_served_per_variant(tmp_path):
     assert served.variant == v_window and served.score == ScoreVariant(window=True)
     assert dispatcher.kernel_for(q, k, k, q, True).variant == v_plain and dispatcher.kernel_for(q, k, k, q, True).score == PLAIN
     softcapped = dispatcher.kernel_for(q, k, k, q, True, score=ScoreVariant(softcap=True))
-    assert softcapped.variant == load_space("triton_fwd").nearest_valid(
-        load_space("triton_fwd").default_for(plain, device), plain, device)
+    assert softcapped.variant == v_plain and softcapped.score == ScoreVariant(softcap=True)
+    assert dispatcher.choose(dataclasses.replace(plain, score_variant="softcap"), device, own_only=True)[1].startswith(
+        "the plain problem's winner")
+    # No plain winner either (another head dim): the default.
+    q96, k96 = torch.empty(2, 4, 1000, 96), torch.empty(2, 2, 1000, 96)
+    other = dispatcher.kernel_for(q96, k96, k96, q96, True, score=ScoreVariant(softcap=True))
+    problem96 = dataclasses.replace(plain, head_dim=96)
+    assert other.variant == load_space("triton_fwd").nearest_valid(
+        load_space("triton_fwd").default_for(problem96, device), problem96, device)
 
 
 def test_autoflash_render_shows_a_variant_kernel():

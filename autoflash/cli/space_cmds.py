@@ -103,6 +103,6 @@ def render(op, dtype, head_dim, causal, gqa_group, variant_json, score_key):
         score = ScoreVariant.from_key(score_key)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--score'") from None
-    if not score.plain and not families.host_class(variant.family).serves_score_variants:
-        raise click.BadParameter(f"{variant.family} computes no attention variants", param_hint="'--score'")
+    if not families.host_class(variant.family).computes(score):
+        raise click.BadParameter(f"{variant.family} computes no attention variants {score.key!r}", param_hint="'--score'")
     click.echo(codegen.render(variant, score=score), nl=False)

@@ -36,6 +36,8 @@ class Family(abc.ABC):
     op: ClassVar[str]  # "fwd" | "bwd" | "decode"
     supports_varlen: ClassVar[bool] = False  # `launch_varlen` takes packed variable-length sequences
     serves_score_variants: ClassVar[bool] = False  # renders and launches `score_variant` hooks
+    # ... a user's score_mod / mask_mod among them (traced to Triton code and spliced in)
+    serves_user_mods: ClassVar[bool] = True
     # renders VALUE_DIM: V, O and dO with a head dim other than Q's and K's (MLA), launched as such
     serves_value_dim: ClassVar[bool] = False
     # renders DROPOUT: attention dropout drawn in the kernels from a (seed, offset) pair (dense calls)
@@ -45,8 +47,8 @@ class Family(abc.ABC):
 
     def __init__(self, knobs: dict, kernels: ModuleType, score: ScoreVariant = PLAIN, value_dim: bool = False,
                  dropout: bool = False, paged: bool = False):
-        if not score.plain and not self.serves_score_variants:
-            raise ValueError(f"{self.name} computes no attention variants (asked for {score.key!r})")
+        if not self.computes(score):
+            raise ValueError(f"{self.name} computes no attention variants {score.key!r}")
         if value_dim and not self.serves_value_dim:
             raise ValueError(f"{self.name} takes no value head dim other than the query's")
         if dropout and not self.serves_dropout:
@@ -59,6 +61,11 @@ class Family(abc.ABC):
         self.value_dim = value_dim  # rendered with VALUE_DIM: takes V's head dim from v's shape
         self.dropout = dropout  # rendered with DROPOUT: every launch takes a `dropout.DropoutArgs`
         self.paged = paged  # rendered with PAGED: packed launches only, each with its block table
+
+    @classmethod
+    def computes(cls, score: ScoreVariant) -> bool:
+        """Whether the family's kernels compute the attention variants `score` (plain: every family)."""
+        return score.plain or (cls.serves_score_variants and (cls.serves_user_mods or not score.user))
 
     def dropout_kernel_args(self, args, compile_only: bool = False) -> tuple:
         """The kernels' dropout parameters (dropout_p, dropout_seed, dropout_offset) for a launch: none for

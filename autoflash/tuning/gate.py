@@ -223,7 +223,7 @@ def _own_kernel(op: str, q, k, v, causal: bool, stored: Variant | None, score: S
     # (an output's shape and strides for `unsupported`: q where V has its head dim, as always)
     out = q if v.shape[3] == q.shape[3] else q.new_empty((*q.shape[:3], v.shape[3]))
     head_dim_v = None if v.shape[3] == q.shape[3] else v.shape[3]
-    if stored is not None and (score.plain or computes_score_variants(stored)):
+    if stored is not None and (score.plain or computes_score_variants(stored, score)):
         kernel = codegen.load_for(stored, head_dim_v, score)
         if not kernel.unsupported(q, k, v, out):
             return kernel

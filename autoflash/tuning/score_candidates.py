@@ -1,33 +1,37 @@
 """Which candidates a problem with attention variants (window, softcap, ALiBi, sinks) has: only kernels
-that compute them. Vendor kernels (SDPA's backends), the Gluon forward and the decode family compute
-none; the backward family computes them with its Triton dK/dV kernel only (its host launches that one
-in place of the Gluon dK/dV kernel for a variant: the same candidate twice)."""
+that compute them. Vendor kernels (SDPA's backends) and the decode family compute none, the Gluon
+forward all but a user's score_mod / mask_mod; the backward family computes them with its Triton dK/dV
+kernel only (its host launches that one in place of the Gluon dK/dV kernel for a variant: the same
+candidate twice)."""
 
 from __future__ import annotations
 
 from autoflash import families
 from autoflash.device import GPUFingerprint
 from autoflash.problem import Problem
+from autoflash.score_variant import ScoreVariant
 from autoflash.space import Variant, default_variant, load_space
 
 
-def computes_score_variants(variant: Variant) -> bool:
-    """Whether a variant's kernel computes attention variants (window, softcap, ALiBi, sinks): its family
-    renders them (not a vendor's, nor the Gluon forward's or decode's) and, in the backward, its dK/dV
-    kernel is the Triton one (the Gluon dK/dV kernel computes none: its host would launch the Triton
-    one instead, the same candidate as DKDV_KERNEL = "triton")."""
-    if load_space(variant.family).vendor or not families.host_class(variant.family).serves_score_variants:
+def computes_score_variants(variant: Variant, score: ScoreVariant) -> bool:
+    """Whether a variant's kernel computes the attention variants `score` (window, softcap, ALiBi, sinks, a
+    user's score_mod / mask_mod): its family renders them (not a vendor's, nor decode's; the Gluon forward
+    renders all but a user's functions) and, in the backward, its dK/dV kernel is the Triton one (the
+    Gluon dK/dV kernel computes none: its host would launch the Triton one instead, the same candidate
+    as DKDV_KERNEL = "triton")."""
+    if load_space(variant.family).vendor or not families.host_class(variant.family).computes(score):
         return False
     return variant.as_dict().get("DKDV_KERNEL", "triton") == "triton"
 
 
 def serves_problem(variants: list[Variant], problem: Problem) -> list[Variant]:
     """The variants whose kernels compute `problem`'s attention variants (all of them for plain
-    attention): for a window, softcap, ALiBi or sinks, no vendor kernel, Gluon forward
-    or Gluon dK/dV (`computes_score_variants`)."""
+    attention): for a window, softcap, ALiBi or sinks no vendor kernel or Gluon dK/dV, for a user's
+    score_mod / mask_mod no Gluon forward either (`computes_score_variants`)."""
     if not problem.score_variant:
         return list(variants)
-    return [v for v in variants if computes_score_variants(v)]
+    score = ScoreVariant.from_key(problem.score_variant)
+    return [v for v in variants if computes_score_variants(v, score)]
 
 
 def variant_default(problem: Problem, device: GPUFingerprint) -> Variant:

@@ -1,6 +1,6 @@
 """The Gluon Hopper forward family's host side: TMA descriptors over (B, H, N, D) views, which
 tensors it takes, the grid (persistent or one program per tile), register budgets and the launch of
-`_attn_fwd_sm90` (kernel.py.jinja)."""
+`_attn_fwd_sm90` (kernel.py.jinja), with the values of the attention variants it was rendered with."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import triton
 
 from autoflash.families.base import ForwardFamily
 from autoflash.families._shared.gluon_tma import GL_DTYPES, head_tile, stride_refusal, tma_view
+from autoflash.score_variant import NO_SCORE_ARGS
 
 _NUM_SMS: dict = {}
 
@@ -22,6 +23,8 @@ def num_sms(device):
 
 class GluonSm90Forward(ForwardFamily):
     name = "gluon_sm90_fwd"
+    serves_score_variants = True  # window, softcap, ALiBi, sinks (score_parts' semantics)
+    serves_user_mods = False  # a user's score_mod / mask_mod: the Triton forward's
 
     @property
     def uses_tma(self) -> bool:
@@ -58,8 +61,9 @@ class GluonSm90Forward(ForwardFamily):
             return "not a CUDA tensor"
         return stride_refusal((("q", q), ("k", k), ("v", v), ("o", o)))
 
-    def kernel_args(self, q, k, v, o, lse, sm_scale, causal, causal_offset, sms=132):
-        """(args, constexprs, grid, options) of the launch; the CPU compile test reads these too."""
+    def kernel_args(self, q, k, v, o, lse, sm_scale, causal, causal_offset, sms=132, score_args=NO_SCORE_ARGS):
+        """(args, constexprs, grid, options) of the launch; the CPU compile test reads these too.
+        score_args: the values of the variants the kernel was rendered with (`score_variant.ScoreArgs`)."""
         kn = self.knobs
         batch, heads, n_q, head_dim = q.shape
         n_k = k.shape[2]
@@ -70,6 +74,7 @@ class GluonSm90Forward(ForwardFamily):
             tma_view(q, kn["BLOCK_M"]), tma_view(k, kn["BLOCK_N"]), tma_view(v, kn["BLOCK_N"]),
             tma_view(o, kn["BLOCK_M"]), lse,
             float(sm_scale), n_q, n_k, heads, heads // k.shape[1], int(causal_offset), n_m_tiles, n_tiles,
+            *score_args.kernel_args(self.score),
         )
         constexprs = dict(
             IS_CAUSAL=bool(causal), HEAVY_FIRST=kn["HEAVY_FIRST"], INTRA_OVERLAP=kn["INTRA_OVERLAP"],
@@ -80,7 +85,7 @@ class GluonSm90Forward(ForwardFamily):
         options = dict(num_warps=self.num_warps, maxnreg=self.maxnreg)
         return args, constexprs, grid, options
 
-    def launch(self, *, q, k, v, o, lse, sm_scale, causal, causal_offset, compile_only=False):
+    def launch(self, *, q, k, v, o, lse, sm_scale, causal, causal_offset, compile_only=False, score_args=None):
         """Any strides TMA accepts (unit last stride, 16-byte aligned base and strides), e.g. (B, N, H, D)
         memory seen through .transpose(1, 2); lse contiguous."""
         if not sm_scale > 0:
@@ -89,7 +94,7 @@ class GluonSm90Forward(ForwardFamily):
         if reason is not None:
             raise ValueError(f"gluon_sm90 forward cannot take these tensors: {reason}")
         args, constexprs, grid, options = self.kernel_args(q, k, v, o, lse, sm_scale, causal, causal_offset,
-                                                           sms=num_sms(q.device))
+                                                           sms=num_sms(q.device), score_args=score_args or NO_SCORE_ARGS)
         kernel = self.kernels._attn_fwd_sm90
         if compile_only:
             kernel.warmup(*args, **constexprs, **options, grid=grid)

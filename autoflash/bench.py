@@ -101,12 +101,13 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
     after the own forward `pair_halves(shape)` names (and, for a pair with an SDPA forward, with its
     own backward; None: the defaults). templates: method name -> a template file to render that method's
     variants from instead of the package's. device='cpu' (the Triton interpreter) times one call by
-    wall clock and skips SDPA: a pipeline check, not performance."""
+    wall clock and skips SDPA: a pipeline check, not performance. Every method gets the same q, k, v,
+    laid out as `shape.layout` says (strided (B, N, H, D) views for "bnhd")."""
     rows = []
     for shape in shapes:
         if progress:
             progress(shape.label())
-        q, k, v = make_inputs(shape, device, seed=7)
+        q, k, v = make_inputs(shape, device, seed=7, layout=shape.layout or "bhnd")  # (every method the same)
         halves = pair_halves(shape) if shape.op == "bwd" and pair_halves is not None else (None, None)
         with _training_halves(*halves):  # (read when each pair is built)
             fns = {name: _variant_fn(choose(shape), shape, q, k, v, (templates or {}).get(name))
@@ -183,13 +184,14 @@ def _fwdbwd_fn(method: str, shape: Shape, q, k, v, grad) -> Callable[[], None] |
 def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "autoflash-own", "sdpa_cudnn", "sdpa_flash"), rounds: int = 3,
                rep_ms: float = 100, memory: bool = False, progress=None) -> tuple[list[BenchRow], dict]:
     """Forward+backward timings (FLOPs counted as 3.5x forward) and, with memory=True, the peak
-    memory each method allocates above its inputs, per shape label (bytes)."""
+    memory each method allocates above its inputs, per shape label (bytes). Every method gets the same
+    q, k, v leaves, laid out as `shape.layout` says, and the same contiguous output gradient."""
     rows, peaks = [], {}
     for shape in shapes:
         if progress:
             progress(shape.label())
-        q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=7))
-        grad = torch.randn((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (the output's: D_v)
+        q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=7, layout=shape.layout or "bhnd"))
+        grad = torch.randn((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (the output's: D_v; contiguous)
         fns = {m: _fwdbwd_fn(m, shape, q, k, v, grad) for m in methods}  # (each called once)
         if rounds == 0:  # (compiling ahead: `bench_warm`)
             continue

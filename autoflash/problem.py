@@ -17,6 +17,9 @@ from autoflash.score_variant import PLAIN, ScoreValues, ScoreVariant, binding_wi
 
 OPS = ("fwd", "bwd", "decode")
 DTYPES = ("float16", "bfloat16", "float32")
+# A Shape's memory layouts of q, k, v (`Shape.layout`): None or "bhnd" contiguous (B, H, N, D), "bnhd"
+# (B, N, H, D) memory seen as (B, H, N, D)
+SHAPE_LAYOUTS = (None, "bhnd", "bnhd")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 SEQLEN_BUCKET_MIN = 16
 SEQLEN_BUCKET_MAX = 1 << 20
@@ -205,8 +208,18 @@ class Shape:
     # softcap, ALiBi, sinks; a dict is taken too, as JSON rows hold it); None: plain attention. Last and
     # defaulted for the reason head_dim_v is; plain values are stored as None.
     score: ScoreValues | None = None
+    # How a bench lays out q, k and v in memory (`reference.make_inputs`): None, contiguous (B, H, N, D)
+    # ("bhnd" is stored as None); "bnhd", (B, N, H, D) memory seen as (B, H, N, D), the strided views
+    # a model's attention layers pass. Not part of the problem key (the tuner's gate checks both layouts).
+    # Last and defaulted for the reason head_dim_v is.
+    layout: str | None = None
 
     def __post_init__(self):
+        if self.layout not in SHAPE_LAYOUTS:
+            raise ValueError(f"layout must be one of {list(SHAPE_LAYOUTS)} (None: contiguous (B, H, N, D); "
+                             f"'bnhd': (B, N, H, D) memory), got {self.layout!r}")
+        if self.layout == "bhnd":
+            object.__setattr__(self, "layout", None)
         if self.head_dim_v is not None and self.head_dim_v == self.head_dim:
             object.__setattr__(self, "head_dim_v", None)
         score = score_values(self.score)
@@ -217,11 +230,13 @@ class Shape:
         object.__setattr__(self, "score", score)
 
     def as_dict(self) -> dict:
-        """The fields as stored in JSON (winner rows, bench output): head_dim_v and score only where
-        set, so a plain shape's JSON is what it was before value head dims and variants."""
+        """The fields as stored in JSON (winner rows, bench output): head_dim_v, score and layout only
+        where set, so a plain contiguous shape's JSON is what it was before value head dims, variants
+        and layouts."""
         fields = dataclasses.asdict(self)
-        if fields["head_dim_v"] is None:
-            del fields["head_dim_v"]
+        for optional in ("head_dim_v", "layout"):
+            if fields[optional] is None:
+                del fields[optional]
         del fields["score"]
         if self.score is not None:
             fields["score"] = self.score.as_dict()
@@ -292,8 +307,9 @@ class Shape:
         g = f" gqa{self.heads_q}/{self.heads_kv}" if self.heads_q != self.heads_kv else ""
         page = f" page{self.page}" if self.page is not None and self.op == "decode" else ""
         score = f" {self.score_variant.key}" if self.score is not None else ""
+        layout = f" {self.layout}" if self.layout is not None else ""
         return (f"{'' if self.op == 'fwd' else self.op + ' '}{self.dtype} B{self.batch} H{self.heads_q} q{self.seqlen_q} k{self.seqlen_k} "
-                f"{self.dims_label()}{c}{g}{page}{score}")
+                f"{self.dims_label()}{c}{g}{page}{score}{layout}")
 
 
 def distance_between(a: Problem, b: Problem) -> float:

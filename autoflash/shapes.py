@@ -3,6 +3,7 @@ and the other way: `record_shape` appends a shape a model ran to such a file (AU
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from autoflash.problem import DTYPES, Shape, unsupported_head_dim
@@ -237,6 +238,7 @@ def _refuse_variant_values_in_one_problem(name: str, shapes: list[Shape]) -> Non
 # Realistic ranges for `random:N[:SEED]` shape sets (models' attention, prefill and training).
 RANDOM_HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
 RANDOM_MAX_FLOPS = 2e13  # one forward at most ~30 ms on a Hopper GPU: a bench of 64 shapes stays minutes
+RANDOM_STRIDED_SHARE = 1 / 3  # forward/backward shapes with strided (B, N, H, D) q, k, v
 
 
 def _random_spec(value: str) -> tuple[int, int]:
@@ -256,10 +258,15 @@ def random_shapes(count: int, seed: int = 0, op: str = "fwd") -> list[Shape]:
     """`count` problems drawn (reproducibly from `seed`) from realistic ranges: batch 1-16, 1-64 KV
     heads with GQA groups 1-16 (at most 128 query heads), lengths 1-32k, powers of two or not, Nq != Nk
     in one draw of four (bottom-right: Nq <= Nk), head dims 32-256, causal or not, bf16 or fp16;
-    shapes past `RANDOM_MAX_FLOPS` are drawn again."""
+    shapes past `RANDOM_MAX_FLOPS` are drawn again. Forward and backward shapes (op fwd, bwd, fwdbwd)
+    also get a memory layout, contiguous (B, H, N, D) or, one in `RANDOM_STRIDED_SHARE`, strided
+    (B, N, H, D) q, k, v as models' attention layers pass them (`Shape.layout` "bnhd"); decode shapes
+    stay contiguous. The layouts come from a stream of their own (seeded from `seed` too), so a seed's
+    sizes are those it drew before layouts were drawn."""
     import random
 
     rng = random.Random(seed)
+    layouts = random.Random(f"{seed}:layout") if op in ("fwd", "bwd", "fwdbwd") else None
     shapes: list[Shape] = []
     while len(shapes) < count:
         heads_kv = rng.choice((1, 2, 4, 8, 8, 16, 32, 64))
@@ -270,5 +277,7 @@ def random_shapes(count: int, seed: int = 0, op: str = "fwd") -> list[Shape]:
                       seqlen_k=n_k, head_dim=rng.choice(RANDOM_HEAD_DIMS), causal=rng.random() < 0.5,
                       dtype=rng.choice(("bfloat16", "float16")), op=op)
         if shape.flops() <= RANDOM_MAX_FLOPS and shape_problem(shape) is None:
+            if layouts is not None and layouts.random() < RANDOM_STRIDED_SHARE:
+                shape = dataclasses.replace(shape, layout="bnhd")
             shapes.append(shape)
     return shapes

@@ -224,7 +224,8 @@ def _check_template(ctx, param, value):
 @click.command()
 @click.option("--shapes", default="standard", show_default=True,
               help="Shape set: standard, gqa, tiny, ..., a TOML file, or random:N (N problems drawn from "
-                   "realistic ranges, reproducibly from --seed).")
+                   "realistic ranges, reproducibly from --seed, about one in three with strided (B, N, H, D) "
+                   "q, k, v, the others contiguous (B, H, N, D)).")
 @click.option("--seed", type=int, default=0, show_default=True, help="The seed of a random:N shape set.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Interleaved timing rounds per shape.")

@@ -64,6 +64,8 @@ def _tune_shapes(op_list, shapes, dtype, interpret):
     # winner of its shape (what training serves with them), where one exists.
     ordered = sorted(op_list, key=lambda op: op != "fwd")
     shape_list = [s for op in ordered for s in load_shapes(shapes or default_shape_set(op, interpret), op)]
+    # (the tuner times contiguous inputs and gates both layouts itself: a random set's drawn layouts are the bench's)
+    shape_list = [dataclasses.replace(s, layout=None) for s in shape_list]
     if dtype:
         shape_list = [dataclasses.replace(s, dtype=dtype) for s in shape_list]
     if interpret and any(s.dtype == "bfloat16" for s in shape_list):

@@ -141,6 +141,8 @@ class Dispatcher:
         twin = self.plain_twin(problem, device, table)
         if twin is not None:
             return twin
+        if problem.score_variant:
+            return variant_default(problem, device), "default"
         if not table.rows and device.key not in self._told_untuned:
             self._told_untuned.add(device.key)
             log.info("autoflash: no tuned kernels for %s; using built-in defaults (run `autoflash tune`)",
@@ -412,6 +414,24 @@ def tune_in_child_process(shape: Shape, device_index: int | None = None) -> None
 
 
 _dispatcher: Dispatcher | None = None
+
+
+def variant_default(problem: Problem, device: GPUFingerprint) -> Variant:
+    """The default for a problem with attention variants: the default variant of a family that computes
+    them and is measured faster for them (`default_for_score_variants`), where valid here; else the op's."""
+    from autoflash.space import families_for
+
+    score = ScoreVariant.from_key(problem.score_variant)
+    for family in families_for(problem.op):
+        space = load_space(family)
+        host = None if space.vendor else families.host_class(family)
+        if host is not None and host.default_for_score_variants and host.computes(score):
+            variant = space.default_for(problem, device)
+            try:
+                return space.nearest_valid(variant, problem, device)
+            except InvalidVariant:  # (no valid variant here: another GPU, another Triton)
+                continue
+    return default_variant(problem.op, problem, device)
 
 
 def get_dispatcher() -> Dispatcher:

@@ -4,9 +4,9 @@ forward the dispatcher serves for the variant), on a GPU, bf16, interleaved devi
 For each case (a sliding window of 4096 keys at 16k/32k/64k tokens, the softcap of 50 at d256,
 Gemma-2's window + softcap, gpt-oss's sinks + window 128): every method's output is first checked
 against float64 on sampled query rows (the materialized mask and bias of those rows only), then timed.
-Methods: `served` (what `flash_attn_func` runs for the call now), and the Gluon forward rendered with the
-variant in the plain problem's winner's knobs (`gluon-plain-winner`, where the plain problem is served
-by the Gluon family) and in two fixed structures. TFLOP/s count the visible (query, key) pairs only.
+Methods: `served` (what `flash_attn_func` runs for the call now), the Triton forward's default, and the
+Gluon forward rendered with the variant in the plain problem's winner's knobs (`gluon-plain-winner`,
+where the plain problem is served by the Gluon family), in its default's and in two fixed structures. TFLOP/s count the visible (query, key) pairs only.
 
     python benchmarks/gluon_variants.py --json gluon-variants.json
 """
@@ -28,7 +28,7 @@ from autoflash.device import gpu_fingerprint
 from autoflash.dispatch import get_dispatcher
 from autoflash.reference import rel_error
 from autoflash.score_variant import ScoreArgs
-from autoflash.space import Variant
+from autoflash.space import Variant, default_variant, load_space
 from autoflash.tuning.timing import device_ms_interleaved
 
 STRUCTURES = {  # (the knobs of tests/test_gluon_variants.py's structures)
@@ -92,17 +92,29 @@ def reference_rows(q, k, v, rows, scale, score: ScoreArgs):
 
 
 def methods_for(case: Case, q, k, v, out_like, score: ScoreArgs) -> dict:
-    """name -> kernel (codegen.Kernel) for the call."""
+    """name -> kernel (codegen.Kernel) for the call, or the reason it has none: what `flash_attn_func`
+    serves, the Triton forward's default, the Gluon forward's default and two fixed structures (made
+    valid for the problem: the fewest knobs changed)."""
     dispatcher, device = get_dispatcher(), gpu_fingerprint()
-    kernels = {"served": dispatcher.kernel_for(q, k, v, out_like, True, score=score.variant)}
-    plain = dispatcher.choose(dispatcher.problem_for(q, k, True, "fwd", device.sm_count), device, own_only=True)[0]
+    problem = dispatcher.problem_for(q, k, True, "fwd", device.sm_count, score.variant)
+    kernels = {"served": lambda: dispatcher.kernel_for(q, k, v, out_like, True, score=score.variant),
+               "triton-default": lambda: codegen.load(default_variant("fwd", problem, device), score=score.variant)}
+    plain = dispatcher.choose(dataclasses.replace(problem, score_variant=None), device, own_only=True)[0]
+    gluon = load_space("gluon_sm90_fwd")
     if plain.family == "gluon_sm90_fwd":
-        kernels["gluon-plain-winner"] = codegen.load(plain, score=score.variant)
+        kernels["gluon-plain-winner"] = lambda: codegen.load(plain, score=score.variant)
+    kernels["gluon-default"] = lambda: codegen.load(gluon.nearest_valid(gluon.default_for(problem, device), problem,
+                                                                        device), score=score.variant)
     for name, knobs in STRUCTURES.items():
-        if case.head_dim > 128:
-            knobs = {**knobs, "BLOCK_N": 64}
-        kernels[name] = codegen.load(Variant.of("gluon_sm90_fwd", knobs), score=score.variant)
-    return kernels
+        kernels[name] = lambda knobs=knobs: codegen.load(gluon.nearest_valid(Variant.of("gluon_sm90_fwd", knobs),
+                                                                             problem, device), score=score.variant)
+    out = {}
+    for name, make in kernels.items():
+        try:
+            out[name] = make()
+        except Exception as e:  # (a method this GPU or problem has no kernel for: said, not timed)
+            out[name] = f"{type(e).__name__}: {e}"[:500]
+    return out
 
 
 def run(case: Case, rep_ms: float) -> dict:
@@ -122,10 +134,18 @@ def run(case: Case, rep_ms: float) -> dict:
            "visible_pairs_per_head": case.visible_pairs(), "methods": {}}
     fns = {}
     for name, kernel in kernels.items():
+        if isinstance(kernel, str):
+            row["methods"][name] = {"skipped": kernel}
+            continue
         out = torch.full_like(out_like, math.nan)
         lse = torch.empty(1, case.heads_q, case.seqlen, device=dev)
-        kernel.forward(q, k, v, out, lse, scale, True, 0, score_args=score)
-        torch.cuda.synchronize()
+        try:
+            kernel.forward(q, k, v, out, lse, scale, True, 0, score_args=score)
+            torch.cuda.synchronize()
+        except Exception as e:  # (e.g. out of shared memory for this head dim: said, not timed)
+            row["methods"][name] = {"family": kernel.variant.family, "variant": kernel.variant.as_dict(),
+                                    "skipped": f"{type(e).__name__}: {e}"[:500]}
+            continue
         err = rel_error(out[:, :, rows], ref)
         entry = {"variant": kernel.variant.as_dict(), "family": kernel.variant.family, "rel_error_sampled_rows": err,
                  "nan": bool(torch.isnan(out).any().item())}

@@ -3,10 +3,10 @@ autoflash/families/gluon_sm90_fwd/, the same semantics as the Triton forward's).
 
 CPU (no marker, runs in CI): each of the family's structures (one 8-warp consumer with intra-warpgroup
 overlap; two ping-pong consumers, persistent; three d64 consumers) compiles for sm90a with the variants,
-the plain kernel renders as before (its winners stay its own), and the space keeps the variants off a
-GPU until the GPU check below has run there. GPU (`gpu` marker): bf16 against the float64 reference
-built from the materialized mask and bias (test_score_variants.reference), ragged lengths, Nq != Nk
-both ways, GQA, (B, N, H, D) strided inputs, outputs poisoned first."""
+the plain kernel renders as before (its winners stay its own), and a variant problem nothing was tuned
+for on an sm90 GPU gets the Gluon default. GPU (`gpu` marker): bf16 against the float64 reference built
+from the materialized mask and bias (test_score_variants.reference), ragged lengths, Nq != Nk both ways,
+GQA, (B, N, H, D) strided inputs, outputs poisoned first."""
 
 import dataclasses
 import math
@@ -95,17 +95,23 @@ def test_a_user_score_mod_stays_the_triton_forwards():
         codegen.load(variant_of("overlap", 128), score=ScoreVariant(mask_mod="mask-0123456789"))
 
 
-def test_variants_stay_off_a_gpu_until_checked_there():
-    """The space rejects a variant problem on a GPU (constraint score_variants_not_yet_run_on_a_gpu),
-    not a plain one: the Triton forward computes the variants there until then."""
-    device = dataclasses.replace(gpu_fingerprint(), name="NVIDIA H200", cc_major=9, cc_minor=0, smem_per_block=232448,
+def test_a_variant_problem_without_a_winner_gets_the_gluon_default_on_hopper():
+    """On an sm90 GPU the Gluon forward's default serves a variant problem nothing was tuned for (measured
+    faster than the Triton forward's default there); a user's score_mod, and machines where the Gluon
+    space has no valid variant (this CPU), get the Triton forward's default."""
+    from autoflash.dispatch import variant_default
+    from autoflash.space import default_variant
+
+    hopper = dataclasses.replace(gpu_fingerprint(), name="NVIDIA H200", cc_major=9, cc_minor=0, smem_per_block=232448,
                                  triton_version=triton.__version__)
-    assert device.on_gpu
-    space, variant = load_space("gluon_sm90_fwd"), variant_of("overlap", 128)
-    plain = Problem("fwd", "bfloat16", 128, True, 4, 32768, 32768)
-    assert not space.violations(variant, plain, device)
-    windowed = dataclasses.replace(plain, score_variant="window")
-    assert [c.name for c in space.violations(variant, windowed, device)] == ["score_variants_not_yet_run_on_a_gpu"]
+    assert hopper.on_gpu
+    windowed = Problem("fwd", "bfloat16", 128, True, 4, 16384, 16384, score_variant="window")
+    served = variant_default(windowed, hopper)
+    assert served.family == "gluon_sm90_fwd" and not load_space("gluon_sm90_fwd").violations(served, windowed, hopper)
+    user = dataclasses.replace(windowed, score_variant="score-0123456789")
+    assert variant_default(user, hopper) == default_variant("fwd", user, hopper)
+    cpu = gpu_fingerprint()
+    assert variant_default(windowed, cpu) == default_variant("fwd", windowed, cpu)
 
 
 # ----------------------------------------------------------------------------------------------

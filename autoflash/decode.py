@@ -27,7 +27,8 @@ from autoflash.eager import eager_attention
 from autoflash.problem import unsupported_head_dim, unsupported_scale
 from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
 from autoflash.reference import dense_cache
-from autoflash.validate import check_alibi, check_flag, check_softcap, check_window, unsupported_tensors
+from autoflash.validate import (check_alibi, check_flag, check_softcap, check_window, odd_head_dim_on_gpu,
+                                unsupported_tensors)
 
 
 # --------------------------------------------------------------------------- fallback
@@ -36,7 +37,8 @@ def _fallback(reason: str) -> None:
 
 
 def _unsupported_reason(q: torch.Tensor, scale: float) -> str | None:
-    return unsupported_scale(scale) or unsupported_tensors(q) or unsupported_head_dim(q.shape[-1])
+    return (unsupported_scale(scale) or unsupported_tensors(q) or unsupported_head_dim(q.shape[-1])
+            or odd_head_dim_on_gpu(q, q.shape[-1]))
 
 
 # --------------------------------------------------------------------------- public functions

@@ -35,9 +35,12 @@ _KEY = re.compile(r"(?P<op>[a-z]+)/(?P<dtype>[a-z0-9]+)/d(?P<d>-?\d+)/(?P<c>caus
 
 
 def unsupported_head_dim(d: int) -> str | None:
-    """Why the kernels cannot take this head dim (a call falls back to torch SDPA), or None."""
-    if d > MAX_HEAD_DIM or d % 8:
-        return f"head dim {d} is not supported (multiples of 8 up to {MAX_HEAD_DIM} are)"
+    """Why the kernels cannot take this head dim (a call falls back to torch SDPA), or None. Any head dim
+    up to 256: the kernels pad it to their power-of-two tile and mask the columns past it; one whose rows
+    are not 16-byte multiples (bf16/fp16: not a multiple of 8) runs the pointer-load variants (TMA needs
+    16-byte rows: the spaces' tma_alignment constraints, the Gluon kernels' refusals)."""
+    if d > MAX_HEAD_DIM:
+        return f"head dim {d} is not supported (up to {MAX_HEAD_DIM} are)"
     return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
 
@@ -117,6 +118,18 @@ def unsupported_tensors(q) -> str | None:
     return None
 
 
+def odd_head_dim_on_gpu(q, *head_dims: int) -> str | None:
+    """Head dims that are not a multiple of 8 run on the kernels (padded to their tile inside them) in
+    the CPU interpreter, checked there against float64 (tests/test_odd_head_dims.py). On a GPU they stay
+    torch's until the same check in bf16 and a speed comparison with SDPA have run there (the kernels
+    serve them through pointer loads, untuned): AUTOFLASH_ODD_HEAD_DIMS=1 serves them there."""
+    odd = [d for d in head_dims if d % 8]
+    if odd and q.is_cuda and os.environ.get("AUTOFLASH_ODD_HEAD_DIMS", "0").strip() != "1":
+        return (f"head dim {odd[0]} (not a multiple of 8) runs in torch on a GPU until the kernels' padded "
+                "head dims have been checked there (AUTOFLASH_ODD_HEAD_DIMS=1 serves them)")
+    return None
+
+
 def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = False) -> str | None:
     """Why the kernels cannot take this (valid) call, or None when they can. `training`: the call
     needs the backward too."""
@@ -138,6 +151,8 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = Fa
         return reason
     if dv != d and (reason := unsupported_head_dim(dv)):  # (V's own head dim: MLA-like, e.g. 192/128)
         return f"value {reason}"
+    if reason := odd_head_dim_on_gpu(q, d, dv):
+        return reason
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return "an empty tensor (zero batch, heads, sequence or head dim)"
     if training:

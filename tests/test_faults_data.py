@@ -74,7 +74,7 @@ SHAPE = dict(batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16, head_dim=
     ("heads_kv", 0, "heads_kv must be a positive integer"), ("seqlen_k", 0, "seqlen_k must be a positive"),
     ("batch", 0, "batch must be a positive"), ("seqlen_q", -4, "seqlen_q must be a positive"),
     ("seqlen_q", 16.5, "seqlen_q must be a positive integer"), ("heads_kv", 3, "must be a multiple of heads_kv"),
-    ("head_dim", 12, "head dim 12 is not supported"), ("head_dim", 300, "head dim 300 is not supported"),
+    ("head_dim", 257, "head dim 257 is not supported"), ("head_dim", 300, "head dim 300 is not supported"),
     ("causal", 1, "causal must be true or false")])
 def test_a_shape_file_with_an_impossible_shape_is_refused_before_tuning(tmp_path, field, value, says):
     shape = {**SHAPE, field: value}

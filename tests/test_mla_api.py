@@ -116,8 +116,8 @@ def test_a_decoding_shaped_call_is_served_by_the_forward_kernel():
 
 
 def test_a_value_head_dim_the_kernels_cannot_take_is_named():
-    q, k, v = rand(1, 2, 5, 32, seed=12), rand(1, 2, 7, 32, seed=13), rand(1, 2, 7, 12, seed=14)
-    with pytest.raises(FallbackError, match="value head dim 12"):
+    q, k, v = rand(1, 2, 5, 32, seed=12), rand(1, 2, 7, 32, seed=13), rand(1, 2, 7, 264, seed=14)
+    with pytest.raises(FallbackError, match="value head dim 264"):
         autoflash.attention(q, k, v)
 
 

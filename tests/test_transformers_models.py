@@ -85,3 +85,23 @@ def test_model_logits_as_close_to_float32_eager_as_bf16_eager(name):
         return ((x - want).norm() / want.norm()).item()
     print(f"{name}: autoflash bf16 {err(ours):.4f}, eager bf16 {err(eager_bf16):.4f}")
     assert err(ours) <= 1.5 * err(eager_bf16), (err(ours), err(eager_bf16))
+
+
+@pytest.mark.interpreter
+def test_the_variant_models_benchmark_runs_and_compares_tokens(tmp_path, monkeypatch):
+    """benchmarks/variant_models.py (Gemma-2 and Mistral against "eager", then sdpa / flex_attention on a
+    GPU): its pipeline on tiny models in the interpreter, float32 greedy tokens the same as "eager"'s."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "variant_models.py"
+    spec = importlib.util.spec_from_file_location("variant_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (what main sets: restored after the test)
+    monkeypatch.setenv("AUTOFLASH_STRICT", "1")
+    assert module.main(["--interpret", "--json", str(tmp_path / "out.json")]) == 0
+    models = json.loads((tmp_path / "out.json").read_text())["models"]
+    assert set(models) == {"gemma2", "mistral"}
+    assert all(row["tokens_float32"]["same_tokens"] for row in models.values())

@@ -142,7 +142,7 @@ class Dispatcher:
         if twin is not None:
             return twin
         if problem.score_variant:
-            return variant_default(problem, device), "default"
+            return families.score_variant_default(problem, device), "default"
         if not table.rows and device.key not in self._told_untuned:
             self._told_untuned.add(device.key)
             log.info("autoflash: no tuned kernels for %s; using built-in defaults (run `autoflash tune`)",
@@ -161,6 +161,8 @@ class Dispatcher:
         plain, how = table.lookup(dataclasses.replace(problem, score_variant=None), own_only=True)
         if plain is None:
             return None
+        if plain.as_dict().get("DKDV_KERNEL", "triton") != "triton":
+            plain = plain.replace(DKDV_KERNEL="triton")  # (the Gluon dK/dV kernel computes no variants)
         space = load_space(plain.family)
         if (space.vendor or not families.host_class(plain.family).computes(ScoreVariant.from_key(problem.score_variant))
                 or space.violations(plain, problem, device)):
@@ -414,24 +416,6 @@ def tune_in_child_process(shape: Shape, device_index: int | None = None) -> None
 
 
 _dispatcher: Dispatcher | None = None
-
-
-def variant_default(problem: Problem, device: GPUFingerprint) -> Variant:
-    """The default for a problem with attention variants: the default variant of a family that computes
-    them and is measured faster for them (`default_for_score_variants`), where valid here; else the op's."""
-    from autoflash.space import families_for
-
-    score = ScoreVariant.from_key(problem.score_variant)
-    for family in families_for(problem.op):
-        space = load_space(family)
-        host = None if space.vendor else families.host_class(family)
-        if host is not None and host.default_for_score_variants and host.computes(score):
-            variant = space.default_for(problem, device)
-            try:
-                return space.nearest_valid(variant, problem, device)
-            except InvalidVariant:  # (no valid variant here: another GPU, another Triton)
-                continue
-    return default_variant(problem.op, problem, device)
 
 
 def get_dispatcher() -> Dispatcher:

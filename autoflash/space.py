@@ -273,8 +273,7 @@ def problem_names(problem: Problem) -> dict:
                 # grid of 16k tokens the first winners were tuned on
                 work=WORK_MAX if problem.work is None else problem.work,
                 page_size=problem.page or 0,  # decode: a paged cache's block size; 0: contiguous
-                window="window" in (problem.score_variant or "").split("+"),  # a sliding window
-                score_variants=bool(problem.score_variant))  # any attention variant (window, softcap, ...)
+                window="window" in (problem.score_variant or "").split("+"))  # a sliding window
 
 
 def device_names(problem: Problem, device: GPUFingerprint) -> dict:

@@ -1,5 +1,5 @@
-"""The attention variants on the Gluon forward against the kernel that computes them today (the Triton
-forward the dispatcher serves for the variant), on a GPU, bf16, interleaved device time.
+"""The attention variants on the Gluon forward against the Triton forward's default and what the
+dispatcher serves for the call, on a GPU, bf16, interleaved device time.
 
 For each case (a sliding window of 4096 keys at 16k/32k/64k tokens, the softcap of 50 at d256,
 Gemma-2's window + softcap, gpt-oss's sinks + window 128): every method's output is first checked

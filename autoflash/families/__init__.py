@@ -39,6 +39,27 @@ def host_class(family: str):
     return cls
 
 
+def score_variant_default(problem, device):
+    """The default variant of a problem with attention variants (window, softcap, ALiBi, sinks): the default
+    of a family whose `default_for_score_variants` expression holds for the problem (where it was measured
+    faster than the op's default family for them) and that computes the variants, where it is valid on
+    this device; else the op's default. What serves such a problem nothing was tuned for, and the
+    tuner's baseline for it."""
+    from autoflash.score_variant import ScoreVariant
+    from autoflash.space import InvalidVariant, default_variant, device_names, evaluate, families_for, load_space
+
+    score = ScoreVariant.from_key(problem.score_variant)
+    for family in families_for(problem.op):
+        space = load_space(family)
+        when = "" if space.vendor else host_class(family).default_for_score_variants
+        if when and host_class(family).computes(score) and evaluate(when, device_names(problem, device)):
+            try:
+                return space.nearest_valid(space.default_for(problem, device), problem, device)
+            except InvalidVariant:  # (no valid variant here: another GPU, another Triton)
+                continue
+    return default_variant(problem.op, problem, device)
+
+
 def hashed_source(family: str) -> str:
     """What a family's template hash covers: every template and Python file of its folder (kernel
     templates, host module) and of `_shared/` (includes, host helpers). The host decides the launch

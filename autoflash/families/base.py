@@ -38,9 +38,10 @@ class Family(abc.ABC):
     serves_score_variants: ClassVar[bool] = False  # renders and launches `score_variant` hooks
     # ... a user's score_mod / mask_mod among them (traced to Triton code and spliced in)
     serves_user_mods: ClassVar[bool] = True
-    # Its default variant serves an attention-variant problem nothing was tuned for (before the op's
-    # default family's), where valid: measured faster than the op's default family's for them
-    default_for_score_variants: ClassVar[bool] = False
+    # A search-space expression (the spaces' names): the attention-variant problems nothing was tuned for
+    # that this family's default serves before the op's default family's (where measured faster for
+    # them; `families.score_variant_default`); "": none
+    default_for_score_variants: ClassVar[str] = ""
     # renders VALUE_DIM: V, O and dO with a head dim other than Q's and K's (MLA), launched as such
     serves_value_dim: ClassVar[bool] = False
     # renders DROPOUT: attention dropout drawn in the kernels from a (seed, offset) pair (dense calls)

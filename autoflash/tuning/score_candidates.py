@@ -35,9 +35,11 @@ def serves_problem(variants: list[Variant], problem: Problem) -> list[Variant]:
 
 
 def variant_default(problem: Problem, device: GPUFingerprint) -> Variant:
-    """The op's default variant, for a problem with attention variants one whose kernel computes them
-    (the Triton dK/dV kernel where the default's would be Gluon's)."""
-    default = default_variant(problem.op, problem, device)
+    """The default variant the dispatcher serves the problem untuned; for a problem with attention
+    variants `families.score_variant_default` (one whose kernel computes them), with the Triton dK/dV
+    kernel where the backward default's would be Gluon's."""
+    default = (families.score_variant_default(problem, device) if problem.score_variant
+               else default_variant(problem.op, problem, device))
     if serves_problem([default], problem) or "DKDV_KERNEL" not in default.as_dict():
         return default
     return load_space(default.family).nearest_valid(default.replace(DKDV_KERNEL="triton"), problem, device)

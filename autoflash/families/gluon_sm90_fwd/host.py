@@ -25,9 +25,9 @@ class GluonSm90Forward(ForwardFamily):
     name = "gluon_sm90_fwd"
     serves_score_variants = True  # window, softcap, ALiBi, sinks (score_parts' semantics)
     serves_user_mods = False  # a user's score_mod / mask_mod: the Triton forward's
-    # H100 (docs/results/2026-12-07-h100-gluon-variants.md): its default 1.23x the Triton forward's at a
-    # window of 4096 keys (16k-64k tokens, d128, GQA 4), 1.07x at gpt-oss's sinks + window 128 (d64)
-    default_for_score_variants = True
+    # Where measured: on an H100 its default there (two ping-pong consumers) ran 1.23x the Triton forward's
+    # at a causal window of 4096 keys, 16k-64k tokens, d128, GQA 4 (docs/results/2026-12-07-h100-gluon-variants.md)
+    default_for_score_variants = "window and causal and head_dim > 64 and head_dim <= 128 and gqa_group >= 4"
 
     @property
     def uses_tma(self) -> bool:

@@ -147,7 +147,7 @@ def test_strict_mode_turns_fallback_into_error(strict):
     with pytest.raises(api.FallbackError, match="dropout"):
         autoflash.attention(q, q, q, dropout_p=1.0)  # (0 < dropout_p < 1 runs on the kernels: autoflash.dropout)
     with pytest.raises(api.FallbackError, match="head dim"):
-        autoflash.attention(rand(1, 2, 16, 12), rand(1, 2, 16, 12), rand(1, 2, 16, 12))
+        autoflash.attention(rand(1, 2, 16, 264), rand(1, 2, 16, 264), rand(1, 2, 16, 264))
 
 
 @pytest.mark.interpreter

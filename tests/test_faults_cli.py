@@ -60,7 +60,7 @@ def test_other_numbers_out_of_range(tmp_path):
     assert_usage_error(run("db", "list", "--op", "xyz"), "--op")
 
 
-@pytest.mark.parametrize("head_dim", ["0", "-8", "12", "512"])
+@pytest.mark.parametrize("head_dim", ["0", "-8", "512"])
 def test_render_and_space_refuse_impossible_head_dims(head_dim):
     assert_usage_error(run("render", "--head-dim", head_dim), "--head-dim")
     assert_usage_error(run("space", "--head-dim", head_dim), "--head-dim")

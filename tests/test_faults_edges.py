@@ -139,8 +139,8 @@ def _caller_line_of_the_warning(call) -> tuple[str, int]:
 def test_a_fallback_warning_points_at_the_callers_line(case):
     from inspect import currentframe as here
 
-    q4 = torch.randn(1, 2, 5, 20)  # (head dim 20: a fallback)
-    t3, cu = torch.randn(5, 2, 20), torch.tensor([0, 5], dtype=torch.int32)  # (packed: 5 tokens)
+    q4 = torch.randn(1, 2, 5, 264)  # (head dim 264: a fallback)
+    t3, cu = torch.randn(5, 2, 264), torch.tensor([0, 5], dtype=torch.int32)  # (packed: 5 tokens)
 
     def call():  # each call and the line number on one line
         if case == "attention":

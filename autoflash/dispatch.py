@@ -9,7 +9,6 @@ registered with `set_miss_hook`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -124,8 +123,7 @@ class Dispatcher:
                own_only: bool = False) -> tuple[Variant, str]:
         """(variant, why): a tuned vendor winner as it is; otherwise SDPA-cuDNN unless the measured
         evidence says the own kernels are faster here (`serving_policy`); then the own winner (exact or
-        nearest bucket); for attention variants nothing was tuned for, the plain problem's own winner
-        where it computes them (`plain_twin`); else the built-in default."""
+        nearest bucket); for attention variants the plain problem's (`WinnerTable.plain_twin`); else the default."""
         table = self.winners(device, device_index)
         tuned, how = table.lookup(problem, own_only)
         if not own_only and not (tuned is not None and load_space(tuned.family).vendor):
@@ -138,37 +136,13 @@ class Dispatcher:
         if tuned is not None:
             log.debug("autoflash: %s -> tuned winner (%s)", problem.key, how)
             return tuned, how
-        twin = self.plain_twin(problem, device, table)
-        if twin is not None:
-            return twin
-        if problem.score_variant:
-            return families.score_variant_default(problem, device), "default"
+        if problem.score_variant:  # (nothing tuned for these variants: the plain problem's winner, else their default)
+            return table.plain_twin(problem) or (families.score_variant_default(problem, device), "default")
         if not table.rows and device.key not in self._told_untuned:
             self._told_untuned.add(device.key)
             log.info("autoflash: no tuned kernels for %s; using built-in defaults (run `autoflash tune`)",
                      device.name)
         return default_variant(problem.op, problem, device), "default"
-
-    @staticmethod
-    def plain_twin(problem: Problem, device: GPUFingerprint, table: WinnerTable) -> tuple[Variant, str] | None:
-        """(variant, why) for a problem with attention variants (window, softcap, ...) nothing was tuned
-        for: the own winner of the same problem without them, where its family computes them and the
-        variant is valid with them. That kernel was measured fastest for the shape; the variants change
-        which blocks it visits and its softmax, not what its tiles and schedule are good at. None: the
-        default serves."""
-        if not problem.score_variant:
-            return None
-        plain, how = table.lookup(dataclasses.replace(problem, score_variant=None), own_only=True)
-        if plain is None:
-            return None
-        if plain.as_dict().get("DKDV_KERNEL", "triton") != "triton":
-            plain = plain.replace(DKDV_KERNEL="triton")  # (the Gluon dK/dV kernel computes no variants)
-        space = load_space(plain.family)
-        if (space.vendor or not families.host_class(plain.family).computes(ScoreVariant.from_key(problem.score_variant))
-                or space.violations(plain, problem, device)):
-            return None
-        log.debug("autoflash: %s -> the plain problem's winner (%s)", problem.key, how)
-        return plain, f"the plain problem's winner ({how})"
 
     def serving_variant(self, problem: Problem, device: GPUFingerprint) -> Variant:
         """`variant_for` remembered per problem (one dict lookup per call)."""

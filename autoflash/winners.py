@@ -4,6 +4,7 @@ with the evidence (own vs SDPA-cuDNN times) the serving policy decides by."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -114,6 +115,24 @@ class WinnerTable:
     def lookup(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str]:
         """(variant, how) of `explain`: exact bucket, else the nearest of the same kind, else None."""
         return self.explain(problem, own_only)[:2]
+
+    def plain_twin(self, problem: Problem) -> tuple[Variant, str] | None:
+        """(variant, why) for a problem with attention variants (window, softcap, ...) nothing was tuned
+        for: the own winner of the same problem without them, where its family computes them and the
+        variant is valid with them. That kernel was measured fastest for the shape; the variants change
+        which blocks it visits and its softmax, not what its tiles and schedule are good at. None: the
+        default serves."""
+        if not problem.score_variant:
+            return None
+        plain, how = self.lookup(dataclasses.replace(problem, score_variant=None), own_only=True)
+        if plain is None:
+            return None
+        if plain.as_dict().get("DKDV_KERNEL", "triton") != "triton":
+            plain = plain.replace(DKDV_KERNEL="triton")  # (the Gluon dK/dV kernel computes no variants)
+        if not computes_score_variant(plain.family, problem.score_variant) or load_space(plain.family).violations(
+                plain, problem, self.device):
+            return None
+        return plain, f"the plain problem's winner ({how})"
 
     def explain(self, problem: Problem, own_only: bool = False) -> tuple[Variant | None, str, str | None]:
         """(variant, how, DB file it came from): like `lookup`, plus the winner's origin."""

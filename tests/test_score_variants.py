@@ -484,25 +484,22 @@ def test_a_plain_winner_that_cannot_compute_the_variant_is_not_its_twin(tmp_path
     from autoflash.families import host_class
 
     device = gpu_fingerprint()
-    dispatcher = Dispatcher([])
     fwd = Problem("fwd", "float32", 64, True, 2, 1024, 1024)
     bwd = dataclasses.replace(fwd, op="bwd")
 
-    class Table:  # (the winner table's lookup, one plain winner)
-        def __init__(self, variant):
-            self.variant = variant
-
-        def lookup(self, problem, own_only=False):
-            return (self.variant, "exact") if not problem.score_variant else (None, "default")
+    def Table(variant):  # (a winner table whose lookup finds one plain winner)
+        table = WinnerTable(device, [])
+        table.lookup = lambda problem, own_only=False: (variant, "exact") if not problem.score_variant else (None, "default")
+        return table
 
     gluon = load_space("gluon_sm90_fwd").default_for(fwd, device)
     assert not host_class("gluon_sm90_fwd").computes(ScoreVariant(score_mod="score-0123456789"))
-    assert dispatcher.plain_twin(dataclasses.replace(fwd, score_variant="score-0123456789"), device, Table(gluon)) is None
+    assert Table(gluon).plain_twin(dataclasses.replace(fwd, score_variant="score-0123456789")) is None
     bwd_space = load_space("triton_bwd")
     ordered = bwd_space.check_declared({**bwd_space.default_for(bwd, device).as_dict(), "DQ_MODE": "ordered"})
-    assert dispatcher.plain_twin(dataclasses.replace(bwd, score_variant="window"), device, Table(ordered)) is None
+    assert Table(ordered).plain_twin(dataclasses.replace(bwd, score_variant="window")) is None
     vendor = load_space("sdpa_fwd").check_declared({"BACKEND": "flash"})
-    assert dispatcher.plain_twin(dataclasses.replace(fwd, score_variant="window"), device, Table(vendor)) is None
+    assert Table(vendor).plain_twin(dataclasses.replace(fwd, score_variant="window")) is None
     gluon_dkdv = bwd_space.check_declared({**bwd_space.default_for(bwd, device).as_dict(), "DKDV_KERNEL": "gluon_sm90"})
-    twin = dispatcher.plain_twin(dataclasses.replace(bwd, score_variant="softcap"), device, Table(gluon_dkdv))
+    twin = Table(gluon_dkdv).plain_twin(dataclasses.replace(bwd, score_variant="softcap"))
     assert twin is not None and twin[0]["DKDV_KERNEL"] == "triton"

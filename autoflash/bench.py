@@ -107,7 +107,8 @@ def run_bench(shapes: list[Shape], variants: dict[str, Callable[[Shape], Variant
     for shape in shapes:
         if progress:
             progress(shape.label())
-        q, k, v = make_inputs(shape, device, seed=7, layout=shape.layout or "bhnd")  # (every method the same)
+        # (every method the same inputs)
+        q, k, v = make_inputs(shape, device, seed=7, layout=shape.layout or "bhnd", draw_on_device=True)
         halves = pair_halves(shape) if shape.op == "bwd" and pair_halves is not None else (None, None)
         with _training_halves(*halves):  # (read when each pair is built)
             fns = {name: _variant_fn(choose(shape), shape, q, k, v, (templates or {}).get(name))
@@ -190,7 +191,8 @@ def run_fwdbwd(shapes: list[Shape], methods=("autoflash", "autoflash-own", "sdpa
     for shape in shapes:
         if progress:
             progress(shape.label())
-        q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=7, layout=shape.layout or "bhnd"))
+        q, k, v = (t.requires_grad_() for t in make_inputs(shape, "cuda", seed=7, layout=shape.layout or "bhnd",
+                                                                draw_on_device=True))
         grad = torch.randn((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # (the output's: D_v; contiguous)
         fns = {m: _fwdbwd_fn(m, shape, q, k, v, grad) for m in methods}  # (each called once)
         if rounds == 0:  # (compiling ahead: `bench_warm`)

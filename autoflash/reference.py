@@ -12,13 +12,19 @@ import torch
 from autoflash.problem import Shape
 
 
-def make_inputs(shape: Shape, device, seed: int = 0, layout: str = "bhnd"):
-    """Random normal q, k, v in (B, H, N, D) form. layout='bnhd' returns (B,N,H,D)-strided views."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+def make_inputs(shape: Shape, device, seed: int = 0, layout: str = "bhnd", draw_on_device: bool = False):
+    """Random normal q, k, v in (B, H, N, D) form. layout='bnhd' returns (B,N,H,D)-strided views.
+
+    Drawn by a CPU generator (the same values on any device) unless draw_on_device: then by the
+    device's own generator (other values than the CPU's, the same on every call with that seed), for
+    timing inputs, whose values do not matter: a host draw costs ~5 ns an element, seconds for a
+    long training problem's q, k, v and output gradient, while the GPU waits."""
+    on = torch.device(device) if draw_on_device else torch.device("cpu")
+    g = torch.Generator(device=on).manual_seed(seed)
     dtype = getattr(torch, shape.dtype)
 
     def rand(b, n, h, d=shape.head_dim):
-        t = torch.randn((b, n, h, d), generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+        t = torch.randn((b, n, h, d), generator=g, dtype=torch.float32, device=on).to(device=device, dtype=dtype)
         return t.transpose(1, 2) if layout == "bnhd" else t.transpose(1, 2).contiguous()
 
     q = rand(shape.batch, shape.seqlen_q, shape.heads_q)
@@ -27,12 +33,13 @@ def make_inputs(shape: Shape, device, seed: int = 0, layout: str = "bhnd"):
     return q, k, v
 
 
-def output_grad(shape: Shape, device, seed: int):
+def output_grad(shape: Shape, device, seed: int, draw_on_device: bool = False):
     """A random gradient of the output, (B, H_q, N_q, D_v): q's draw of that seed where V has q's head
     dim (the inputs the backward gate and timing always used)."""
     import dataclasses
 
-    return make_inputs(dataclasses.replace(shape, head_dim=shape.value_dim, head_dim_v=None), device, seed=seed)[0]
+    return make_inputs(dataclasses.replace(shape, head_dim=shape.value_dim, head_dim_v=None), device, seed=seed,
+                       draw_on_device=draw_on_device)[0]
 
 
 def paged_cache(k: torch.Tensor, v: torch.Tensor, page: int, generator: torch.Generator | None = None):

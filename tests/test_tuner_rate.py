@@ -85,6 +85,36 @@ def test_the_input_cache_is_bounded_in_bytes_and_drops_the_least_recently_used(m
     assert held == 3 * one
 
 
+def test_the_input_cache_holds_an_eighth_of_the_device_unless_set(monkeypatch):
+    monkeypatch.setattr(timing, "CACHED_INPUT_BYTES", None)
+    assert timing._input_bound("cpu") == timing.MIN_CACHED_INPUT_BYTES
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert timing._input_bound("cuda:0") == max(timing.MIN_CACHED_INPUT_BYTES, total // 8)
+    monkeypatch.setattr(timing, "CACHED_INPUT_BYTES", 12345)
+    assert timing._input_bound("cpu") == 12345
+
+
+@pytest.mark.gpu
+def test_timing_inputs_are_drawn_on_the_gpu_the_same_each_time():
+    q, k, v = timing.timing_inputs(SHAPE, "cuda")
+    again = make_inputs(SHAPE, "cuda", seed=timing.TIMING_SEED, draw_on_device=True)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), again)) and q.is_cuda
+    host = make_inputs(SHAPE, "cuda", seed=timing.TIMING_SEED)  # (the host's draw: other values, same law)
+    assert not torch.equal(q, host[0]) and abs(q.float().std().item() - 1) < 0.1
+
+
+def test_a_worker_writes_its_profile_where_asked(tmp_path, monkeypatch):
+    """`AUTOFLASH_PROFILE_WORKERS=DIR`: each worker writes the cProfile of its tasks to DIR."""
+    import pstats
+
+    monkeypatch.setenv(sandbox.PROFILE_ENV, str(tmp_path))
+    with sandbox.Sandbox("cpu", {"TRITON_INTERPRET": "1"}) as sb:
+        assert sb.call(sandbox.ping, (), timeout_s=120)["status"] == "ok"
+    (written,) = tmp_path.glob("worker-*.prof")
+    assert any(func[2] == "ping" for func in pstats.Stats(str(written)).stats)
+
+
 def test_a_candidates_two_timings_and_a_pick_share_one_draw(monkeypatch):
     """The short timing, the full one and the pick's re-measure of a problem draw its inputs once
     (they were drawn per timing, on the host, while the GPU waited)."""

@@ -222,9 +222,21 @@ def _apply_context(context: dict) -> None:
     gate.training_backward = _declared_variant(*backward) if backward else None
 
 
+# Where a worker writes its profile (`cProfile`, every task it ran, rewritten after each task as
+# PROFILE_DIR/worker-PID.prof): set to find what a tuning run's GPU worker spends its time on
+# (`python -m pstats`). Unset: no profiling.
+PROFILE_ENV = "AUTOFLASH_PROFILE_WORKERS"
+
+
 def _worker_main(tasks, results, env: dict) -> None:
     os.environ.update(env)
     parent = os.getppid()
+    profile_dir = os.environ.get(PROFILE_ENV)
+    profiler = None
+    if profile_dir:
+        import cProfile
+
+        profiler = cProfile.Profile()
     while True:
         try:
             task = tasks.get(timeout=1.0)
@@ -237,9 +249,11 @@ def _worker_main(tasks, results, env: dict) -> None:
         fn, args, context = task
         _apply_context(context)
         try:
-            outcome = fn(*args)
+            outcome = profiler.runcall(fn, *args) if profiler else fn(*args)
         except BaseException as e:  # noqa: BLE001
             outcome = Outcome("runtime_error", message=_short(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        if profiler:
+            profiler.dump_stats(os.path.join(profile_dir, f"worker-{os.getpid()}.prof"))
         results.put(outcome if isinstance(outcome, dict) else dataclasses.asdict(outcome))
         if isinstance(outcome, Outcome) and outcome.status == "runtime_error" and "illegal" in outcome.message.lower():
             return  # a CUDA context after an illegal access is unusable: let the parent restart us

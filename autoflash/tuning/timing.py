@@ -125,30 +125,36 @@ def _device_ms_interleaved(fns: dict, warmup_ms: float, rep_ms: float, max_reps:
     return {name: statistics.median(s.elapsed_time(e) for s, e in events[name]) for name in names}
 
 
-# Timing inputs, kept on the device between the candidates of a problem (`timing_inputs`). They were
-# drawn for every timing, on the host (a CPU generator, for the same values on any device): ~5 ns an
-# element on an H100's host, so a 4k-token GQA training problem's q, k, v and output gradient (84 M
-# elements) cost ~0.4 s a timing, two timings a candidate, while the GPU waited. On a 22-problem run
-# that was about a minute of the measuring worker's time. Bounded in bytes: the least recently used go.
+# Timing inputs, kept on the device between the candidates of a problem (`timing_inputs`), drawn
+# there by the device's generator. Drawn on the host (a CPU generator, for the same values on any
+# device), they cost ~5 ns an element on an H100's host: a 4k-token GQA training problem's q, k, v and
+# output gradient (84 M elements) ~0.4 s, a 16k one's ~1 s, while the GPU waited; a 22-problem run's
+# first candidate of each problem (the vendor pass) took 1.5-4.5 s on an H100, the later ones 0.1-0.4.
+# Bounded in bytes (the least recently used go): an eighth of the device's memory, so that the rounds,
+# which visit every problem in turn, keep every problem's inputs on an 80-GB GPU instead of drawing
+# them again at each visit; at least 2 GiB.
 TIMING_SEED, GRAD_SEED = 1234, 4321
-CACHED_INPUT_BYTES = 2 << 30
+MIN_CACHED_INPUT_BYTES = 2 << 30
+CACHED_INPUT_BYTES: int | None = None  # (None: from the device, `_input_bound`)
 _inputs: collections.OrderedDict = collections.OrderedDict()  # key -> tensors (q, k, v) or (grad,)
 
 
 def timing_inputs(shape: Shape, device) -> tuple:
-    """(q, k, v) of a problem's timings, as `make_inputs(shape, device, seed=TIMING_SEED)` draws them,
+    """(q, k, v) of a problem's timings, as `make_inputs(shape, device, seed=TIMING_SEED, draw_on_device=True)`,
     drawn once and shared by every timing of the problem in this process: callers never write them."""
     key = ("qkv", _input_dims(shape), _device_key(device))
     elements = (shape.batch * (shape.heads_q * shape.seqlen_q * shape.head_dim
                                + shape.heads_kv * shape.seqlen_k * (shape.head_dim + shape.value_dim)))
-    return _cached(key, elements * _itemsize(shape.dtype), lambda: make_inputs(shape, device, seed=TIMING_SEED))
+    return _cached(key, elements * _itemsize(shape.dtype), lambda: make_inputs(shape, device, seed=TIMING_SEED,
+                                                                           draw_on_device=True))
 
 
 def timing_grad(shape: Shape, device) -> torch.Tensor:
     """The output gradient a backward problem's timings use (`output_grad`, seed GRAD_SEED), shared too."""
     key = ("grad", _input_dims(shape), _device_key(device))
     elements = shape.batch * shape.heads_q * shape.seqlen_q * shape.value_dim
-    return _cached(key, elements * _itemsize(shape.dtype), lambda: (output_grad(shape, device, seed=GRAD_SEED),))[0]
+    return _cached(key, elements * _itemsize(shape.dtype), lambda: (output_grad(shape, device, seed=GRAD_SEED,
+                                                                                  draw_on_device=True),))[0]
 
 
 def _input_dims(shape: Shape) -> tuple:
@@ -167,11 +173,21 @@ def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
+def _input_bound(device_key: str) -> int:
+    """Bytes of timing inputs kept: `CACHED_INPUT_BYTES` where set, else an eighth of the device's memory."""
+    if CACHED_INPUT_BYTES is not None:
+        return CACHED_INPUT_BYTES
+    d = torch.device(device_key)
+    total = torch.cuda.get_device_properties(d).total_memory if d.type == "cuda" else 0
+    return max(MIN_CACHED_INPUT_BYTES, total // 8)
+
+
 def _cached(key: tuple, nbytes: int, make) -> tuple:
     if key in _inputs:
         _inputs.move_to_end(key)
         return _inputs[key]
-    while _inputs and sum(_bytes(t) for t in _inputs.values()) + nbytes > CACHED_INPUT_BYTES:
+    bound = _input_bound(key[-1])
+    while _inputs and sum(_bytes(t) for t in _inputs.values()) + nbytes > bound:
         _inputs.popitem(last=False)  # (before drawing: the old and the new never need the memory together)
     _inputs[key] = tuple(make())
     return _inputs[key]

@@ -146,8 +146,11 @@ def _has_cuda() -> bool:
 
 
 def ensure_allocator() -> None:
-    # The allocator lives in a ContextVar: set it in each thread that launches TMA kernels,
-    # unless the user already installed one.
+    # The allocator lives in a ContextVar: set it in each thread that launches (autograd runs a
+    # backward on a thread of its own), unless the user already installed one. Before every launch,
+    # not only of kernels that read through TMA (`uses_tma`): a backward with pointer loads builds a
+    # descriptor on the device for its TMA reduce-add of dQ, and asked for scratch on autograd's
+    # thread with none set (an odd head dim's causal backward on an H100).
     from triton.runtime import _allocation
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
@@ -218,8 +221,7 @@ class Kernel:
         """o (B, H, Nq, D) and lse (B, H, Nq) float32 written in place. score_args: the values of the
         kernel's attention variants (`score_variant.ScoreArgs`; None for a plain kernel). dropout: the
         call's `dropout.DropoutArgs` (a kernel rendered with dropout; None for the others)."""
-        if self.uses_tma:
-            ensure_allocator()
+        ensure_allocator()
         slopes = score_args.alibi_slopes if score_args is not None and score_args.per_batch() else None
         first = 0
         for q_, k_, v_, o_, lse_, slopes_ in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse, slopes):
@@ -234,8 +236,7 @@ class Kernel:
         """dq, dk, dv written in place from the forward's o and lse. score_args: as `forward`'s (the
         sinks' gradient is not the kernel's: `autoflash.variant_training`). dropout: the forward's
         `dropout.DropoutArgs` (the same seed and offset: the kernels draw its mask again)."""
-        if self.uses_tma:
-            ensure_allocator()
+        ensure_allocator()
         slopes = score_args.alibi_slopes if score_args is not None and score_args.per_batch() else None
         first = 0
         for q_, k_, v_, o_, lse_, do_, dq_, dk_, dv_, slopes_ in batch_chunks(q.shape[0], q.shape[1], q, k, v, o, lse,
@@ -259,8 +260,7 @@ class Kernel:
         block_table: int32 (B, pages per sequence) for a kernel rendered `paged`: k, v are then paged
         caches (num_blocks, page_size, H_kv, D), sequence b's keys the first cu_seqlens_k[b+1] -
         cu_seqlens_k[b] rows of its pages."""
-        if self.uses_tma:
-            ensure_allocator()
+        ensure_allocator()
         self.host.launch_varlen(q=q, k=k, v=v, o=o, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                 max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal,
                                 **({} if score_args is None else {"score_args": score_args}),
@@ -269,8 +269,7 @@ class Kernel:
     def backward_varlen(self, q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                         max_seqlen_k: int, sm_scale: float, causal: bool, score_args=None) -> None:
         """Gradients of `forward_varlen` (same layouts), written into dq, dk, dv."""
-        if self.uses_tma:
-            ensure_allocator()
+        ensure_allocator()
         self.host.launch_varlen(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 sm_scale=sm_scale, causal=causal,
@@ -306,8 +305,7 @@ class Kernel:
         seqlens (B,) int32 keys per sequence; lse (B, H, Q) float32. Returns the KV splits used."""
         if self.op != "decode":
             raise TypeError(f"{self.family} is not a decode kernel family")
-        if self.uses_tma:
-            ensure_allocator()
+        ensure_allocator()
         paged = block_table is not None  # (a paged cache's pages are shared by the batch: not sliced)
         for qc, oc, lc, sc, tc, kc, vc in batch_chunks(q.shape[0], k_cache.shape[2],  # (axis 1: batch x KV heads)
                                                        q, o, lse, seqlens, block_table,
@@ -346,8 +344,7 @@ class Kernel:
                 table = torch.zeros((q.shape[0], 1), device=q.device, dtype=torch.int32)
             self.decode(qd, kd, vd, torch.empty_like(qd), lse, 1.0, causal, seqlens, table, compile_only=True)
             return
-        if self.uses_tma:
-            ensure_allocator()
+        ensure_allocator()
         scored = {} if score_args is None else {"score_args": score_args}
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         out = q.new_empty((*q.shape[:3], v.shape[3]))  # (V's head dim: MLA-like problems have their own)

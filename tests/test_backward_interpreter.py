@@ -198,3 +198,32 @@ def compile_backward_for_sm90(name: str) -> None:
         ptx = compile_for_sm90(jit, args, kwargs)
         entry = re.search(r"\.entry (\w+)", ptx).group(1)
         print(jit.fn.__name__, "bulk-reduce" if "cp.reduce.async.bulk.tensor" in ptx else "-", entry)
+
+
+@pytest.mark.parametrize("loads", ["pointer", "tma"])
+def test_a_launch_on_a_fresh_thread_has_the_scratch_allocator(loads):
+    """Autograd runs a backward on a thread of its own, where Triton's allocator (a ContextVar) is
+    unset: every launch sets it, not only those of kernels reading through TMA (a dQ reduce-add
+    builds a descriptor on the device with pointer loads too, and asked for scratch with none set)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    problem = Problem("bwd", "float32", 32, True, 2, 64, 64, work=2)
+    space = load_space("bwd")
+    device = gpu_fingerprint()
+    variant = space.validate({**space.default_for(problem, device).as_dict(), "LOADS": loads}, problem, device)
+    kernel = codegen.load(variant)
+    seen = []
+
+    class Recording:
+        def launch(self, **kwargs):
+            seen.append(not isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
+
+    kernel.host = Recording()
+    t = torch.zeros(1, 2, 64, 32)
+    thread = threading.Thread(target=lambda: (kernel.backward(t, t, t, t, t[..., 0], t, t, t, t, 0.1, True, 0),
+                                              kernel.forward(t, t, t, t, t[..., 0], 0.1, True, 0)))
+    thread.start()
+    thread.join()
+    assert seen == [True, True]

@@ -18,7 +18,7 @@ from autoflash.problem import Shape
 from autoflash.reference import make_inputs, output_grad
 from autoflash.space import default_variant, load_space
 from autoflash.store import Store
-from autoflash.tuning import sandbox, timing
+from autoflash.tuning import gate, sandbox, timing, yardsticks
 from autoflash.tuning.winner_rows import yardstick_twin
 from autoflash.vendor import SdpaKernel
 
@@ -36,10 +36,12 @@ def sdpa_key(op: str, backend: str, forward: str = "sdpa", backward: str = "sdpa
 def _fresh_worker_state():
     timing._inputs.clear()
     sandbox._gate_cache.clear()
+    yardsticks.clear()
     sandbox._apply_context({})
     yield
     timing._inputs.clear()
     sandbox._gate_cache.clear()
+    yardsticks.clear()
     sandbox._apply_context({})
 
 
@@ -104,6 +106,24 @@ def test_timing_inputs_are_drawn_on_the_gpu_the_same_each_time():
     assert not torch.equal(q, host[0]) and abs(q.float().std().item() - 1) < 0.1
 
 
+@pytest.mark.gpu
+def test_a_long_call_is_estimated_from_one_timed_call_a_short_one_from_several():
+    calls = []
+
+    def long_call():  # ~5 ms on a GPU clocked near 2 GHz
+        calls.append("long")
+        torch.cuda._sleep(10_000_000)
+
+    def short_call():
+        calls.append("short")
+        torch.cuda._sleep(10_000)
+    spin, ms, host_s = timing._spin_and_estimate(long_call)
+    assert calls.count("long") == 2 and ms >= timing.LONG_CALL_MS and spin > 0
+    spin, ms, host_s = timing._spin_and_estimate(short_call)
+    assert calls.count("short") == 10 and 0 < ms < timing.LONG_CALL_MS
+    assert 3 < timing.device_ms(long_call, rep_ms=20) < 20  # (the timing itself still repeats it)
+
+
 def test_a_worker_writes_its_profile_where_asked(tmp_path, monkeypatch):
     """`AUTOFLASH_PROFILE_WORKERS=DIR`: each worker writes the cProfile of its tasks to DIR."""
     import pstats
@@ -137,6 +157,26 @@ def test_a_compile_builds_for_the_timing_shape_without_drawing_its_inputs(monkey
         assert (mine.shape, mine.stride(), mine.dtype) == (drawn_as_timed.shape, drawn_as_timed.stride(),
                                                             drawn_as_timed.dtype)
     assert offset == 0 and score is None
+
+
+# --------------------------------------------------------------------------- the gate's yardsticks
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_the_gates_reference_and_sdpas_error_are_computed_once_per_gate_shape(monkeypatch, op):
+    """A second variant of the same problem is gated against the same reference and SDPA error,
+    not recomputed; a wrong kernel still fails with them kept."""
+    shape = dataclasses.replace(SHAPE, op=op)
+    yard = _counting(monkeypatch, gate, "sdpa_error" if op == "fwd" else "sdpa_grads")
+    space = load_space(op)
+    first = default_variant(op, shape.problem, DEVICE)
+    other = next(v for v in space.valid_variants(shape.problem, DEVICE) if v != first)
+    for variant in (first, other):
+        result = gate.check(codegen.load(variant), shape, "cpu")
+        assert result.passed and result.sdpa_err > 0
+    assert len(yard) == len(gate.gate_shapes(shape))  # (once per gate shape: the first variant's)
+    real_run = gate.run_variant if op == "fwd" else None
+    if op == "fwd":
+        monkeypatch.setattr(gate, "run_variant", lambda *a, **kw: tuple(t * 1.01 for t in real_run(*a, **kw)))
+        assert not gate.check(codegen.load(other), shape, "cpu").passed
 
 
 # --------------------------------------------------------------------------- vendor backends

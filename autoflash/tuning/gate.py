@@ -22,6 +22,7 @@ from autoflash.device import gpu_fingerprint, interpreter_enabled, launch_sm_cou
 from autoflash.problem import Shape
 from autoflash.score_variant import PLAIN, ScoreVariant
 from autoflash.tuning.score_candidates import computes_score_variants
+from autoflash.tuning.yardsticks import yardstick
 from autoflash.reference import (causal_offset_for, decode_reference, lse_error, make_inputs, output_grad, paged_cache, reference, reference_grads, rel_error,
                                  sdpa_error, sdpa_grads)
 from autoflash.space import Variant, default_variant, load_space
@@ -182,9 +183,9 @@ def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateRe
                 raise
             continue
         checked += 1
-        ref_out, ref_lse = reference(q, k, v, gs.causal, off, scale, score=score)
+        ref_out, ref_lse, s_err = yardstick(("fwd", gs, i, seed, off, str(q.device)),
+                                            lambda: _forward_yardstick(q, k, v, gs.causal, off, scale, score))
         err = rel_error(out, ref_out)
-        s_err = sdpa_error(q, k, v, gs.causal, off, scale, ref_out, score)
         l_err = lse_error(lse, ref_lse) if kernel.has_lse else 0.0  # (a vendor kernel serves no LSE)
         bound = max(GATE_FACTOR * s_err, GATE_FLOOR[gs.dtype])
         ok = math.isfinite(err) and err <= bound and l_err <= LSE_TOL
@@ -195,6 +196,11 @@ def check_forward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateRe
                             f"SDPA {s_err:.3g}), lse err {l_err:.3g}")
             return worst
     return _all_refused(worst, checked)
+
+
+def _forward_yardstick(q, k, v, causal: bool, off: int, scale: float, score) -> tuple:
+    ref_out, ref_lse = reference(q, k, v, causal, off, scale, score=score)
+    return ref_out, ref_lse, sdpa_error(q, k, v, causal, off, scale, ref_out, score)
 
 
 GRAD_GATE_FACTOR = 3.0  # gradients: error <= 3x SDPA's own gradient error (DESIGN.md §4)
@@ -291,8 +297,9 @@ def check_backward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateR
                 raise
             continue
         checked += 1
-        refs = reference_grads(q, k, v, grad, gs.causal, off, scale, score=score)
-        theirs = sdpa_grads(q, k, v, grad, gs.causal, off, scale, score)
+        refs, theirs = yardstick(("bwd", gs, i, seed, off, str(q.device)), lambda: (
+            reference_grads(q, k, v, grad, gs.causal, off, scale, score=score),
+            sdpa_grads(q, k, v, grad, gs.causal, off, scale, score)))
         for name, mine, ref, sd in zip(("dq", "dk", "dv"), grads, refs, theirs):
             err, s_err = rel_error(mine, ref), rel_error(sd, ref)
             bound = max(GRAD_GATE_FACTOR * s_err, GATE_FLOOR[gs.dtype])

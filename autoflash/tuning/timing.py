@@ -74,17 +74,32 @@ def interleaved_order(names: list, repetition: int) -> list:
     return names[k:] + names[:k]
 
 
+# A call at least this long (ms, the host's enqueue included) is estimated from one timed call. The
+# estimate took nine calls for every timing; of a 22-problem tune's measuring worker on an H100 (132 s,
+# profiled) it took 28 s, most of it on long calls, where one call says enough: the estimate only
+# sets the repetitions (at least MIN_REPS), the warm-up and the spin.
+LONG_CALL_MS = 2.0
+
+
 def _spin_and_estimate(fn) -> tuple[int, float, float]:
     """fn's spin (cycles: twice its host time, +20 us), device ms per call, host seconds per call."""
     fn()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize()
+    if (one_ms := start.elapsed_time(end)) >= LONG_CALL_MS:
+        return int(SPIN_CYCLES_PER_US * (2 * host_s * 1e6 + 20)), one_ms, host_s
     # Host time of one call (enqueue only) and device time of one call, from a few of each.
     t0 = time.perf_counter()
     for _ in range(3):
         fn()
     host_s = (time.perf_counter() - t0) / 3
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     spin = int(SPIN_CYCLES_PER_US * (2 * host_s * 1e6 + 20))
     torch.cuda._sleep(5 * spin)  # (the five calls' host work)
     start.record()

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from autoflash import resources
 from autoflash.device import GPUFingerprint, triton_release
 from autoflash.problem import WORK_MAX, Problem
+from autoflash.score_variant import FEATURES as SCORE_FEATURES
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -273,7 +274,8 @@ def problem_names(problem: Problem) -> dict:
                 # grid of 16k tokens the first winners were tuned on
                 work=WORK_MAX if problem.work is None else problem.work,
                 page_size=problem.page or 0,  # decode: a paged cache's block size; 0: contiguous
-                window="window" in (problem.score_variant or "").split("+"))  # a sliding window
+                # the attention variants computed (window, softcap, alibi, sinks: each True or False)
+                **{feature: feature in (problem.score_variant or "").split("+") for feature in SCORE_FEATURES})
 
 
 def device_names(problem: Problem, device: GPUFingerprint) -> dict:

@@ -97,9 +97,9 @@ def test_a_user_score_mod_stays_the_triton_forwards():
 
 def test_a_variant_problem_without_a_winner_gets_the_gluon_default_where_measured_faster():
     """On an sm90 GPU the Gluon forward's default serves the variant problems its host names (a causal
-    window at d65-128, GQA >= 4: measured 1.23x the Triton forward's default there); other variants, a
-    user's score_mod, and machines where the Gluon space has no valid variant (this CPU) get the Triton
-    forward's default."""
+    window at d65-128, GQA >= 4: measured 1.23x the Triton forward's default there; a causal window or
+    softcap at d256, GQA >= 2: 1.13-1.19x); other variants, a user's score_mod, and machines where the
+    Gluon space has no valid variant (this CPU) get the Triton forward's default."""
     from autoflash.families import score_variant_default as variant_default
     from autoflash.space import default_variant
 
@@ -109,9 +109,13 @@ def test_a_variant_problem_without_a_winner_gets_the_gluon_default_where_measure
     windowed = Problem("fwd", "bfloat16", 128, True, 4, 16384, 16384, score_variant="window")
     served = variant_default(windowed, hopper)
     assert served.family == "gluon_sm90_fwd" and not load_space("gluon_sm90_fwd").violations(served, windowed, hopper)
+    gemma = Problem("fwd", "bfloat16", 256, True, 2, 16384, 16384, score_variant="window+softcap")
+    for served_too in (gemma, dataclasses.replace(gemma, score_variant="softcap"),
+                       dataclasses.replace(windowed, head_dim=256)):
+        assert variant_default(served_too, hopper).family == "gluon_sm90_fwd", served_too.key
     for other in (dataclasses.replace(windowed, score_variant="score-0123456789"),
-                  dataclasses.replace(windowed, score_variant="softcap"), dataclasses.replace(windowed, head_dim=256),
-                  dataclasses.replace(windowed, causal=False)):
+                  dataclasses.replace(windowed, score_variant="softcap"), dataclasses.replace(windowed, head_dim=64),
+                  dataclasses.replace(gemma, gqa_group=1), dataclasses.replace(windowed, causal=False)):
         assert variant_default(other, hopper) == default_variant("fwd", other, hopper), other.key
     cpu = gpu_fingerprint()
     assert variant_default(windowed, cpu) == default_variant("fwd", windowed, cpu)

@@ -25,9 +25,13 @@ class GluonSm90Forward(ForwardFamily):
     name = "gluon_sm90_fwd"
     serves_score_variants = True  # window, softcap, ALiBi, sinks (score_parts' semantics)
     serves_user_mods = False  # a user's score_mod / mask_mod: the Triton forward's
-    # Where measured: on an H100 its default there (two ping-pong consumers) ran 1.23x the Triton forward's
-    # at a causal window of 4096 keys, 16k-64k tokens, d128, GQA 4 (docs/results/2026-12-07-h100-gluon-variants.md)
-    default_for_score_variants = "window and causal and head_dim > 64 and head_dim <= 128 and gqa_group >= 4"
+    # Where measured on an H100 (benchmarks/gluon_variants.py), its default against the Triton forward's:
+    # 1.23x at a causal window of 4096 keys, 16k-64k tokens, d128, GQA 4 (two ping-pong consumers;
+    # docs/results/2026-12-07-h100-gluon-variants.md); at d256, GQA 2, causal (one consumer of two
+    # warpgroups): 1.13x with softcap 50 at 8k, 1.19x with Gemma-2's window 4096 + softcap 50 at 16k
+    # (docs/results/2026-12-07-h100-tuner-rate.md). Not at d64 (gpt-oss' sinks + window 128: 0.71x).
+    default_for_score_variants = ("causal and head_dim > 64 and (window and head_dim <= 128 and gqa_group >= 4"
+                                  " or head_dim > 128 and (window or softcap) and gqa_group >= 2)")
 
     @property
     def uses_tma(self) -> bool:

@@ -498,3 +498,35 @@ def test_which_and_info_on_a_gpu_with_no_winners_say_sdpa_serves_and_why(tmp_pat
     assert rows and all("vendor" in row and "no measurement near: SDPA-cuDNN" in row for row in rows), r.output
     said = " ".join(invoke("info").output.split())
     assert "no winners for this GPU: SDPA-cuDNN serves every problem it takes" in said
+
+
+@pytest.mark.parametrize("message, left_out", [("No available kernel. Aborting execution.", True), ("boom", False)])
+def test_bench_leaves_out_a_vendor_kernel_that_refuses_the_shape(monkeypatch, message, left_out):
+    """A column whose vendor kernel has none for a shape (cuDNN at a head dim that is not a multiple
+    of 8) is NaN for that shape; any other error still stops the bench."""
+    import math
+
+    from autoflash import bench
+    from autoflash.device import gpu_fingerprint
+    from autoflash.problem import Shape
+    from autoflash.space import default_variant, load_space
+
+    real = bench._variant_fn
+
+    def refusing(variant, *args, **kwargs):
+        if not load_space(variant.family).vendor:
+            return real(variant, *args, **kwargs)
+
+        def fn():
+            raise RuntimeError(message)
+        return fn
+    monkeypatch.setattr(bench, "_variant_fn", refusing)
+    shape = Shape(batch=1, heads_q=2, heads_kv=2, seqlen_q=37, seqlen_k=37, head_dim=16, causal=True, dtype="float32")
+    cudnn = load_space("sdpa_fwd").check_declared({"BACKEND": "cudnn"})
+    choosers = {"autoflash": lambda s: cudnn, "default": lambda s: default_variant("fwd", s.problem, gpu_fingerprint())}
+    if not left_out:
+        with pytest.raises(RuntimeError, match="boom"):
+            bench.run_bench([shape], choosers, rounds=1, device="cpu")
+        return
+    (row,) = bench.run_bench([shape], choosers, rounds=1, device="cpu")
+    assert math.isnan(row.ms["autoflash"]) and row.ms["default"] > 0

@@ -120,13 +120,14 @@ def unsupported_tensors(q) -> str | None:
 
 def odd_head_dim_on_gpu(q, *head_dims: int) -> str | None:
     """Head dims that are not a multiple of 8 run on the kernels (padded to their tile inside them) in
-    the CPU interpreter, checked there against float64 (tests/test_odd_head_dims.py). On a GPU they stay
-    torch's until the same check in bf16 and a speed comparison with SDPA have run there (the kernels
-    serve them through pointer loads, untuned): AUTOFLASH_ODD_HEAD_DIMS=1 serves them there."""
+    the CPU interpreter, checked there against float64 (tests/test_odd_head_dims.py). On a GPU they are
+    right too (the same test in bf16 on an H100) but slower than torch: its flash backend pads them and
+    ran 1.04-4.2x the kernels' pointer-load tiles (d20-d130, untuned: docs/results/2026-12-07-h100-tuner-rate.md),
+    so there torch serves them; AUTOFLASH_ODD_HEAD_DIMS=1 serves them on the kernels."""
     odd = [d for d in head_dims if d % 8]
     if odd and q.is_cuda and os.environ.get("AUTOFLASH_ODD_HEAD_DIMS", "0").strip() != "1":
-        return (f"head dim {odd[0]} (not a multiple of 8) runs in torch on a GPU until the kernels' padded "
-                "head dims have been checked there (AUTOFLASH_ODD_HEAD_DIMS=1 serves them)")
+        return (f"head dim {odd[0]} (not a multiple of 8) runs in torch on a GPU, whose flash backend pads it "
+                "faster than the kernels' padded tiles (AUTOFLASH_ODD_HEAD_DIMS=1 serves them)")
     return None
 
 

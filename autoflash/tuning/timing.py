@@ -143,8 +143,8 @@ def _device_ms_interleaved(fns: dict, warmup_ms: float, rep_ms: float, max_reps:
 # Timing inputs, kept on the device between the candidates of a problem (`timing_inputs`), drawn
 # there by the device's generator. Drawn on the host (a CPU generator, for the same values on any
 # device), they cost ~5 ns an element on an H100's host: a 4k-token GQA training problem's q, k, v and
-# output gradient (84 M elements) ~0.4 s, a 16k one's ~1 s, while the GPU waited; a 22-problem run's
-# first candidate of each problem (the vendor pass) took 1.5-4.5 s on an H100, the later ones 0.1-0.4.
+# output gradient (84 M elements) ~0.4 s, a 16k one's ~1 s, while the GPU waited (part of the 1.5-4.5 s
+# the first candidate of each problem took in a 22-problem run on an H100; the later ones took 0.1-0.4).
 # Bounded in bytes (the least recently used go): an eighth of the device's memory, so that the rounds,
 # which visit every problem in turn, keep every problem's inputs on an 80-GB GPU instead of drawing
 # them again at each visit; at least 2 GiB.

@@ -201,7 +201,7 @@ def compile_backward_for_sm90(name: str) -> None:
 
 
 @pytest.mark.parametrize("loads", ["pointer", "tma"])
-def test_a_launch_on_a_fresh_thread_has_the_scratch_allocator(loads):
+def test_a_launch_on_a_fresh_thread_has_the_scratch_allocator(loads, monkeypatch):
     """Autograd runs a backward on a thread of its own, where Triton's allocator (a ContextVar) is
     unset: every launch sets it, not only those of kernels reading through TMA (a dQ reduce-add
     builds a descriptor on the device with pointer loads too, and asked for scratch with none set)."""
@@ -220,7 +220,7 @@ def test_a_launch_on_a_fresh_thread_has_the_scratch_allocator(loads):
         def launch(self, **kwargs):
             seen.append(not isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
 
-    kernel.host = Recording()
+    monkeypatch.setattr(kernel, "host", Recording())  # (the process's cached kernel: put back after)
     t = torch.zeros(1, 2, 64, 32)
     thread = threading.Thread(target=lambda: (kernel.backward(t, t, t, t, t[..., 0], t, t, t, t, 0.1, True, 0),
                                               kernel.forward(t, t, t, t, t[..., 0], 0.1, True, 0)))

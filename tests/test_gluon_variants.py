@@ -115,7 +115,9 @@ def test_a_variant_problem_without_a_winner_gets_the_gluon_default_where_measure
         assert variant_default(served_too, hopper).family == "gluon_sm90_fwd", served_too.key
     for other in (dataclasses.replace(windowed, score_variant="score-0123456789"),
                   dataclasses.replace(windowed, score_variant="softcap"), dataclasses.replace(windowed, head_dim=64),
-                  dataclasses.replace(gemma, gqa_group=1), dataclasses.replace(windowed, causal=False)):
+                  dataclasses.replace(gemma, gqa_group=1), dataclasses.replace(gemma, head_dim=160),
+                  dataclasses.replace(gemma, score_variant="softcap+sinks"),
+                  dataclasses.replace(gemma, seqlen_q=1024, seqlen_k=1024), dataclasses.replace(windowed, causal=False)):
         assert variant_default(other, hopper) == default_variant("fwd", other, hopper), other.key
     cpu = gpu_fingerprint()
     assert variant_default(windowed, cpu) == default_variant("fwd", windowed, cpu)

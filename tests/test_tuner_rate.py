@@ -179,6 +179,21 @@ def test_the_gates_reference_and_sdpas_error_are_computed_once_per_gate_shape(mo
         assert not gate.check(codegen.load(other), shape, "cpu").passed
 
 
+def test_a_kernel_that_writes_into_its_inputs_fails_and_leaves_the_kept_reference_clean(monkeypatch):
+    """The reference is computed before the launch: a kernel that scales its q in place (then attends
+    to it correctly) fails, and the next kernel is checked against the inputs as drawn."""
+    real_run = gate.run_variant
+
+    def writes_q(kernel, q, *args, **kwargs):
+        q.mul_(1.5)
+        return real_run(kernel, q, *args, **kwargs)
+    kernel = codegen.load(default_variant("fwd", SHAPE.problem, DEVICE))
+    monkeypatch.setattr(gate, "run_variant", writes_q)
+    assert not gate.check(kernel, SHAPE, "cpu").passed
+    monkeypatch.setattr(gate, "run_variant", real_run)
+    assert gate.check(kernel, SHAPE, "cpu").passed
+
+
 # --------------------------------------------------------------------------- vendor backends
 def _gate_called(monkeypatch) -> list:
     calls = []

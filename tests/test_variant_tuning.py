@@ -239,3 +239,21 @@ def test_the_gate_passes_alibi_and_sinks_kernels_and_rejects_a_plain_one_fed_non
 
     if op == "fwd":
         assert not gate.check(Plain(), shape, "cpu").passed
+
+
+def test_the_gates_kept_references_tell_a_long_window_from_none():
+    """A window longer than a short gate shape drops out of that gate shape's own value (nothing it
+    would exclude there), while the gate runs it shortened to a quarter of the keys: the reference a
+    worker keeps per gate shape is keyed by the problem's variants too, so a softcapped problem's
+    reference never checks its windowed twin's kernels (Gemma-2's global and local layers)."""
+    from autoflash.tuning import yardsticks
+
+    yardsticks.clear()
+    capped = Shape(1, 2, 2, 4096, 4096, 32, True, "float16", score=ScoreValues(softcap=30.0))
+    windowed = dataclasses.replace(capped, score=ScoreValues(window=(2000, 0), softcap=30.0))
+    assert windowed.problem.score_variant == "window+softcap" and capped.problem.score_variant == "softcap"
+    assert gate.gate_shapes(capped) == gate.gate_shapes(windowed)  # (the short gate shapes alike)
+    for shape in (capped, windowed, capped):
+        result = gate.check(_variant_kernel(shape), shape, "cpu")
+        assert result.passed, (shape.problem.key, result.detail)
+    yardsticks.clear()

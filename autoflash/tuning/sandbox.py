@@ -236,6 +236,7 @@ def _worker_main(tasks, results, env: dict) -> None:
     if profile_dir:
         import cProfile
 
+        os.makedirs(profile_dir, exist_ok=True)
         profiler = cProfile.Profile()
     while True:
         try:

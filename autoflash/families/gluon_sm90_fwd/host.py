@@ -29,9 +29,11 @@ class GluonSm90Forward(ForwardFamily):
     # 1.23x at a causal window of 4096 keys, 16k-64k tokens, d128, GQA 4 (two ping-pong consumers;
     # docs/results/2026-12-07-h100-gluon-variants.md); at d256, GQA 2, causal (one consumer of two
     # warpgroups): 1.13x with softcap 50 at 8k, 1.19x with Gemma-2's window 4096 + softcap 50 at 16k
-    # (docs/results/2026-12-07-h100-tuner-rate.md). Not at d64 (gpt-oss' sinks + window 128: 0.71x).
-    default_for_score_variants = ("causal and head_dim > 64 and (window and head_dim <= 128 and gqa_group >= 4"
-                                  " or head_dim > 128 and (window or softcap) and gqa_group >= 2)")
+    # (docs/results/2026-12-07-h100-tuner-rate.md). Not at d64 (gpt-oss' sinks + window 128: 0.71x). No
+    # further than measured: d193-256 (the d256 tile), 4k keys or more, without ALiBi or sinks.
+    default_for_score_variants = ("causal and (window and head_dim > 64 and head_dim <= 128 and gqa_group >= 4"
+                                  " or head_dim > 192 and (window or softcap) and not (alibi or sinks)"
+                                  " and gqa_group >= 2 and seqlen_k >= 4096)")
 
     @property
     def uses_tma(self) -> bool:

@@ -24,6 +24,7 @@ from autoflash.tuning import gate
 from autoflash.tuning.timing import (SDPA_BACKENDS, device_ms_interleaved, if_it_runs, launch_callable, sdpa_callable,
                                      tflops, time_callable)
 from autoflash.space import InvalidVariant, Variant, load_space
+from autoflash.validate import odd_head_dims_stay_torch
 
 
 @dataclasses.dataclass
@@ -275,7 +276,8 @@ def served_by(disp, shape: Shape, device, op: str) -> str:
     def own(half_op: str) -> str:
         return served_own_half(disp, shape, device, half_op).family
 
-    if unsupported_head_dim(shape.head_dim):
+    odd = shape.head_dim % 8 or shape.value_dim % 8
+    if unsupported_head_dim(shape.head_dim) or (odd and odd_head_dims_stay_torch(device.on_gpu)):
         return "torch SDPA (fallback)"
     try:
         variant = disp.variant_for(dataclasses.replace(shape, op=op).problem, device)

@@ -125,10 +125,15 @@ def odd_head_dim_on_gpu(q, *head_dims: int) -> str | None:
     ran 1.04-4.2x the kernels' pointer-load tiles (d20-d130, untuned: docs/results/2026-12-07-h100-tuner-rate.md),
     so there torch serves them; AUTOFLASH_ODD_HEAD_DIMS=1 serves them on the kernels."""
     odd = [d for d in head_dims if d % 8]
-    if odd and q.is_cuda and os.environ.get("AUTOFLASH_ODD_HEAD_DIMS", "0").strip() != "1":
+    if odd and odd_head_dims_stay_torch(q.is_cuda):
         return (f"head dim {odd[0]} (not a multiple of 8) runs in torch on a GPU, whose flash backend pads it "
                 "faster than the kernels' padded tiles (AUTOFLASH_ODD_HEAD_DIMS=1 serves them)")
     return None
+
+
+def odd_head_dims_stay_torch(on_gpu: bool) -> bool:
+    """Whether a call with a head dim that is not a multiple of 8 runs in torch (`odd_head_dim_on_gpu`)."""
+    return on_gpu and os.environ.get("AUTOFLASH_ODD_HEAD_DIMS", "0").strip() != "1"
 
 
 def unsupported_reason(q, k, v, attn_mask, dropout_p, scale, training: bool = False) -> str | None:

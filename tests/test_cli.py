@@ -530,3 +530,28 @@ def test_bench_leaves_out_a_vendor_kernel_that_refuses_the_shape(monkeypatch, me
         return
     (row,) = bench.run_bench([shape], choosers, rounds=1, device="cpu")
     assert math.isnan(row.ms["autoflash"]) and row.ms["default"] > 0
+
+
+@pytest.mark.parametrize("flag, served_in_torch", [(None, True), ("1", False)])
+def test_the_bench_says_an_odd_head_dim_runs_in_torch_on_a_gpu(monkeypatch, flag, served_in_torch):
+    """A head dim that is not a multiple of 8 runs in torch on a GPU (its flash backend pads it, faster
+    than the kernels' padded tiles), unless AUTOFLASH_ODD_HEAD_DIMS=1: the bench's `served` says which."""
+    import dataclasses
+
+    from autoflash.bench import served_by
+    from autoflash.device import gpu_fingerprint
+    from autoflash.dispatch import get_dispatcher
+    from autoflash.problem import Shape
+
+    if flag is None:
+        monkeypatch.delenv("AUTOFLASH_ODD_HEAD_DIMS", raising=False)
+    else:
+        monkeypatch.setenv("AUTOFLASH_ODD_HEAD_DIMS", flag)
+    h100 = dataclasses.replace(gpu_fingerprint(), name="NVIDIA H100 80GB HBM3", cc_major=9, cc_minor=0,
+                               smem_per_block=232448)
+    shape = Shape(batch=2, heads_q=16, heads_kv=16, seqlen_q=2048, seqlen_k=2048, head_dim=100, causal=True,
+                  dtype="bfloat16")
+    said = served_by(get_dispatcher(), shape, h100, "fwd")
+    assert (said == "torch SDPA (fallback)") == served_in_torch, said
+    assert served_by(get_dispatcher(), dataclasses.replace(shape, head_dim=96), h100, "fwd") != "torch SDPA (fallback)"
+    assert served_by(get_dispatcher(), shape, gpu_fingerprint(), "fwd") != "torch SDPA (fallback)"  # (interpreter)

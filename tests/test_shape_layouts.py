@@ -88,7 +88,8 @@ def test_make_inputs_lays_out_a_strided_shape_as_b_n_h_d_memory():
 def _on_the_cpu(monkeypatch):
     """The bench's input drawing on the CPU and its timings stubbed: what each method is given."""
     real = make_inputs
-    monkeypatch.setattr(bench, "make_inputs", lambda shape, device, seed, layout="bhnd": real(shape, "cpu", seed, layout))
+    monkeypatch.setattr(bench, "make_inputs", lambda shape, device, seed, layout="bhnd", draw_on_device=False:
+                        real(shape, "cpu", seed, layout, draw_on_device))
     monkeypatch.setattr(bench, "timed_round", lambda fns, device, rep_ms, r: {name: 1.0 for name in fns})
 
 

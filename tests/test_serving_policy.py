@@ -72,7 +72,8 @@ def test_backward_problems_get_cudnns_whole_pair(tmp_path):
     assert variant.as_dict() == {"BACKEND": "cudnn", "FORWARD": "sdpa", "BACKWARD": "sdpa"}
 
 
-@pytest.mark.parametrize("problem, device", [(prob(dtype="float32"), H200), (prob(), gpu_fingerprint())])
+@pytest.mark.parametrize("problem, device", [(prob(dtype="float32"), H200), (prob(), gpu_fingerprint()),
+                                             (prob(head_dim=100), H200), (prob(head_dim=36, op="bwd"), H200)])
 def test_where_cudnn_cannot_serve_the_own_kernels_do(tmp_path, problem, device):
     assert cudnn_variant(problem, device) is None or device.on_gpu
     disp = Dispatcher(winner_paths=[make_db(tmp_path / "w.db", [])])

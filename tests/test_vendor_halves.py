@@ -245,22 +245,23 @@ def test_a_vendor_row_of_the_earlier_space_file_is_still_served(tmp_path):
     which would serve the slower own kernel stored beside them)."""
     from autoflash.dispatch import WinnerTable
 
-    (earlier,) = load_space("sdpa_bwd").replaces
-    assert earlier != codegen.template_hash("sdpa_bwd")
-    store = Store(tmp_path / "old.db")
-    store.add_gpu(DEVICE)
+    earlier_hashes = load_space("sdpa_bwd").replaces  # (the file before the halves, and each later edit)
+    assert earlier_hashes and codegen.template_hash("sdpa_bwd") not in earlier_hashes
     problem = SHAPE.problem
     own = default_variant("bwd", problem, DEVICE)
-    store.set_winner(gpu_key=DEVICE.key, problem=problem, template_hash=earlier, variant_json='{"BACKEND":"flash"}',
-                     median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
-    store.set_winner(gpu_key=DEVICE.key, problem=problem, template_hash=codegen.template_hash(own.family),
-                     variant_json=own.json(), median_ms=2.0, spread=0.0, tflops=1.0, trials=3)
-    store.close()
-    table = WinnerTable(DEVICE, [tmp_path / "old.db"])
-    assert table.rejected == []
-    assert table.lookup(problem) == (pair_variant("flash", "sdpa", "sdpa"), "exact")
-    assert table.lookup(problem, own_only=True) == (own, "exact")
-    assert codegen.family_for_hash("bwd", earlier) is None  # (a shipped DB must be re-keyed: see test_dispatch)
+    for earlier in earlier_hashes:
+        store = Store(tmp_path / f"old-{earlier}.db")
+        store.add_gpu(DEVICE)
+        store.set_winner(gpu_key=DEVICE.key, problem=problem, template_hash=earlier,
+                         variant_json='{"BACKEND":"flash"}', median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
+        store.set_winner(gpu_key=DEVICE.key, problem=problem, template_hash=codegen.template_hash(own.family),
+                         variant_json=own.json(), median_ms=2.0, spread=0.0, tflops=1.0, trials=3)
+        store.close()
+        table = WinnerTable(DEVICE, [tmp_path / f"old-{earlier}.db"])
+        assert table.rejected == []
+        assert table.lookup(problem) == (pair_variant("flash", "sdpa", "sdpa"), "exact")
+        assert table.lookup(problem, own_only=True) == (own, "exact")
+        assert codegen.family_for_hash("bwd", earlier) is None  # (served through `replaces` only)
 
 
 @pytest.mark.interpreter

@@ -68,6 +68,18 @@ _ALLOWED_NODES = (
 _FUNCTIONS = {"min": min, "max": max}
 
 
+_VALID: dict = {}  # `Space.valid_variants` by the space and the values of the names its rules read
+
+
+def _names_read(code) -> frozenset:
+    """The names an expression's code (and any comprehension in it) looks up."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_read(const)
+    return frozenset(names)
+
+
 @functools.lru_cache(maxsize=None)
 def compile_expression(source: str):
     """Compile a rule after checking it only uses the small, side-effect-free subset."""
@@ -186,6 +198,24 @@ class Space:
         base, env = device_names(problem, device), {"__builtins__": {}, **_FUNCTIONS}
         derived = [(name, compile_expression(expr)) for name, expr in self.derived.items()]
         rules = [compile_expression(c.rule) for c in self.constraints]
+        # Problems that agree on every name the rules read have the same valid variants (a run's
+        # problems of one head dim and dtype at different lengths, mostly): computed once per process.
+        read = frozenset().union(*(_names_read(code) for _, code in derived), *(_names_read(code) for code in rules))
+        try:
+            key = (self.family, self.constraints, tuple(self.derived.items()), tuple(self.knobs.items()),
+                   tuple(sorted((name, base[name]) for name in read if name in base)))
+            hash(key)
+        except TypeError:  # (a name's value that cannot be a key: computed every time)
+            key = None
+        if key is not None and key in _VALID:
+            return list(_VALID[key])
+        out = self._evaluate_rules(base, env, derived, rules, problem, device)
+        if key is not None:
+            _VALID[key] = tuple(out)
+        return out
+
+    def _evaluate_rules(self, base: dict, env: dict, derived: list, rules: list, problem: Problem,
+                        device: GPUFingerprint) -> list[Variant]:
         out = []
         try:
             for v in self.all_variants():

@@ -103,6 +103,7 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
             continue
         searches.append(ps)
         index.append(i)
+    tuner.ready()  # (the measuring worker started while the problems opened)
     plans = [plan_of(ps) for ps in searches]
     batch = options.compile_workers if tuner.compilers else 1
     # The interpreter times one call, not rep_ms of repetitions: its long calls add no extra time.

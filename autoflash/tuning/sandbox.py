@@ -274,6 +274,13 @@ class Sandbox:
         self.context: dict = {}
         self._stopped = False  # `stop_now` was called: no call starts a worker again
 
+    def start(self) -> None:
+        """Spawn the worker now, without waiting for it (its imports run meanwhile; the first call
+        waits for them): a no-op while one runs."""
+        if not self._stopped and (self._proc is None or not self._proc.is_alive()):
+            self._kill()
+            self._start()
+
     def _start(self):
         self._tasks = self._ctx.Queue()
         self._results = self._ctx.Queue()

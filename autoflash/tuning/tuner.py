@@ -88,7 +88,11 @@ class Tuner(PickWinner):
         # first compiles queue behind their start.
         if self.compilers:
             self.compilers.start(options.trial_timeout_s, wait=False)
-        self.sandbox.call(sandbox.ping, (), options.trial_timeout_s)
+        self.sandbox.start()  # (its torch import overlaps the problems' opening: `ready` waits for it)
+
+    def ready(self) -> None:
+        """Wait until the measuring worker has started (torch imported, CUDA context made)."""
+        self.sandbox.call(sandbox.ping, (), self.opt.trial_timeout_s)
 
     def close(self, status: str, problems: int) -> None:
         stopped = status != "finished"  # Ctrl-C or SIGTERM: the workers are killed, not waited for

@@ -179,3 +179,20 @@ def test_valid_variants_are_those_violations_finds_nothing_wrong_with():
             for device in (cpu, h100):
                 slow = [v for v in space.all_variants() if not space.violations(v, shape.problem, device)]
                 assert space.valid_variants(shape.problem, device) == slow
+
+
+def test_valid_variants_kept_per_values_the_rules_read():
+    """Problems that differ only in what no rule reads (lengths here) share one evaluation; any name a
+    rule reads (head dim, causality, GQA group) keys its own, equal to a fresh evaluation of the rules."""
+    space = load_space("triton_bwd")
+    base = Problem(op="bwd", dtype="bfloat16", head_dim=64, causal=True, gqa_group=4, seqlen_q=1024, seqlen_k=1024)
+    first = space.valid_variants(base, HOPPER)
+    assert first == space.valid_variants(dataclasses.replace(base, seqlen_q=4096, seqlen_k=8192), HOPPER)
+    first.clear()  # (a caller's list is its own)
+    assert space.valid_variants(base, HOPPER)
+    for change in ({"head_dim": 256}, {"causal": False}, {"gqa_group": 1}):
+        other = dataclasses.replace(base, **change)
+        kept = space.valid_variants(other, HOPPER)
+        fresh = [v for v in space.all_variants() if not space.violations(v, other, HOPPER)]
+        assert kept == fresh
+    assert space.valid_variants(dataclasses.replace(base, head_dim=256), HOPPER) != space.valid_variants(base, HOPPER)

@@ -475,3 +475,19 @@ def test_the_gate_keeps_torchs_refusal_warnings_out_of_a_tuning_run():
         result = check(kernel, SHAPE, "cpu")
     assert result.refused and not result.passed
     assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+
+
+def test_the_backward_gate_of_sdpas_whole_pair_builds_no_own_kernel(monkeypatch):
+    """SDPA's whole pair runs its own forward through autograd: its gate neither builds nor launches
+    an own forward for an O and LSE it would not read (on a GPU, the first vendor candidate of a new
+    problem waited for that build). A pair with an own half still gets one."""
+    from autoflash.tuning import gate
+
+    built = []
+    real = gate.forward_kernel_for_backward
+    monkeypatch.setattr(gate, "forward_kernel_for_backward", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    shape = Shape(**{**SHAPE.__dict__, "op": "bwd"})
+    whole = gate.check(codegen.load(sdpa("bwd", "flash")), shape, "cpu")
+    assert whole.passed and whole.err > 0 and not built, whole.detail
+    mixed = gate.check(codegen.load(sdpa("bwd", "flash", forward="autoflash")), shape, "cpu")
+    assert mixed.passed and built, mixed.detail

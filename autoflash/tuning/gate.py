@@ -301,6 +301,8 @@ def check_backward(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateR
             if kernel.vendor and not kernel.whole_pair:  # half SDPA's, half autoflash's: the pair as served
                 pair = candidate_pair(kernel, q, k, v, gs.causal, off, scale)
                 grads = pair.backward(q, k, v, *pair.forward(q, k, v), grad)
+            elif kernel.vendor:  # SDPA's whole pair: its own forward through autograd (no O or LSE given)
+                kernel.backward(q, k, v, None, None, grad, *grads, scale, gs.causal, off)
             else:
                 out, lse = forward_for_backward(q, k, v, gs.causal, off, scale, score)
                 kernel.backward(q, k, v, out, lse, grad, *grads, scale, gs.causal, off, **_score_kwargs(score))

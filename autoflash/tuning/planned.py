@@ -13,7 +13,9 @@ from autoflash.space import InvalidVariant, default_variant, load_space
 from autoflash.tuning.forecast import Curve, forecast
 from autoflash.tuning.plan_costs import DECIDED_PICK_TIMINGS, WALL_PER_TIMING, Costs
 from autoflash.tuning.planner import Arm, Planner, ProblemPlan, Snapshot
+from autoflash.tuning.sandbox import ping
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
+from autoflash.tuning.vendor_warm import cudnn_variants, warm_cudnn
 
 
 PHASE_OF = {"vendor": "vendor", "seeds": "seed", "search": "rounds", "pick": "picks"}  # step kind -> phase
@@ -103,7 +105,7 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
             continue
         searches.append(ps)
         index.append(i)
-    tuner.ready()  # (the measuring worker started while the problems opened)
+    tuner.sandbox.call(ping, (), options.trial_timeout_s)  # (the measuring worker started as they opened)
     plans = [plan_of(ps) for ps in searches]
     batch = options.compile_workers if tuner.compilers else 1
     # The interpreter times one call, not rep_ms of repetitions: its long calls add no extra time.
@@ -115,6 +117,8 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
         reporter.budget_short(options.budget_s, options.clock() - start + planner.reserve_s())
     phases = dict.fromkeys(("startup", "vendor", "seed", "rounds", "picks"), 0.0)
     phases["startup"] = options.clock() - start  # (the workers' start, the problems opened)
+    _warm_vendor(tuner, searches, options)
+    phases["vendor"] = options.clock() - start - phases["startup"]
     idle, own0, vendor0 = 0.0, tuner.own_measured, tuner.vendor_measured
     while (step := planner.next_step()) is not None:
         t0 = options.clock()
@@ -180,6 +184,14 @@ def pair_halves(ps, device) -> list:
                 pass  # (the gate says what is wrong with it, when it is used)
         out += [(v, shape) for v in variants]
     return out
+
+
+def _warm_vendor(tuner, searches: list, options: TuneOptions) -> None:
+    """cuDNN's kernels for every problem's cuDNN candidates, built in the measuring worker before the
+    vendor pass (`vendor_warm`): on a GPU only, before anything is timed (a vendor-pass cost)."""
+    jobs = [(ps.shape, variants) for ps in searches if (variants := cudnn_variants(ps.valid, ps.vendor))]
+    if jobs and not options.interpret:
+        tuner.sandbox.call(warm_cudnn, (jobs, tuner.device_str), options.trial_timeout_s)
 
 
 def _compile_seeds(tuner, planner: Planner, searches: list) -> None:

@@ -1,7 +1,7 @@
 """The sandbox: candidates run in a separate process (started with `spawn`; it owns the CUDA
 context), so a compile error, an illegal address or a hang costs one recorded trial, not the run.
-The worker tasks (`evaluate_variant`, `compile_variant`, `remeasure`, `ping`) are top-level
-functions, so they pickle by name.
+The worker tasks (`evaluate_variant`, `compile_variant`, `remeasure`, `ping`, and
+`vendor_warm.warm_cudnn`) are top-level functions, so they pickle by name.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import torch
 
 from autoflash.device import interpreter_enabled
 from autoflash.problem import Shape
-from autoflash.reference import make_inputs
+from autoflash.reference import causal_offset_for, make_inputs
 from autoflash.space import Variant
 from autoflash.tuning.gate import SDPA_REFUSAL_WARNINGS, check, gate_score_args, gate_shapes
-from autoflash.reference import causal_offset_for
 from autoflash.tuning.timing import (MIN_REPS, SDPA_BACKENDS, launch_callable, sdpa_callable, time_callable,
                                      time_variant, timing_inputs)
 
@@ -275,15 +274,11 @@ class Sandbox:
         self._stopped = False  # `stop_now` was called: no call starts a worker again
 
     def start(self) -> None:
-        """Spawn the worker now, without waiting for it (its imports run meanwhile; the first call
-        waits for them): a no-op while one runs."""
-        if not self._stopped and (self._proc is None or not self._proc.is_alive()):
-            self._kill()
-            self._start()
-
-    def _start(self):
-        self._tasks = self._ctx.Queue()
-        self._results = self._ctx.Queue()
+        """Spawn the worker, not waiting for it (the first call does): a no-op while one runs."""
+        if self._stopped or (self._proc is not None and self._proc.is_alive()):
+            return
+        self._kill()  # (reap one that exited after its last answer)
+        self._tasks, self._results = self._ctx.Queue(), self._ctx.Queue()
         self._proc = self._ctx.Process(target=_worker_main, args=(self._tasks, self._results, self.env), daemon=True)
         self._proc.start()
 
@@ -323,9 +318,7 @@ class Sandbox:
     def call(self, fn, args: tuple, timeout_s: float) -> Outcome:
         if self._stopped:
             return Outcome("crashed", message="the sandbox was stopped")
-        if self._proc is None or not self._proc.is_alive():
-            self._kill()  # reap a worker that exited after its last answer
-            self._start()
+        self.start()
         t0 = time.perf_counter()
         self._tasks.put((fn, args, dict(self.context)))
         deadline = t0 + timeout_s

@@ -82,17 +82,12 @@ class Tuner(PickWinner):
         self.journal = make_storage(options.storage, store.path)  # (--storage; default: the journal beside the DB)
         self.total_measured = 0
         self.own_measured = self.vendor_measured = 0  # (the run's rates)
-        # Workers start before the first problem's clock (start-up is not charged to one problem;
-        # `tune` charges it to the run's budget). The compile workers start in the background while
-        # the measuring one does (one after the other, a run's first ~20 s went to start-up); the
-        # first compiles queue behind their start.
+        # Every worker starts in the background, before the first problem's clock (`tune` charges
+        # start-up to the run's budget): the first compiles queue behind their start, the problems
+        # open meanwhile (`planned.run_planned` then waits for the measuring worker).
         if self.compilers:
             self.compilers.start(options.trial_timeout_s, wait=False)
-        self.sandbox.start()  # (its torch import overlaps the problems' opening: `ready` waits for it)
-
-    def ready(self) -> None:
-        """Wait until the measuring worker has started (torch imported, CUDA context made)."""
-        self.sandbox.call(sandbox.ping, (), self.opt.trial_timeout_s)
+        self.sandbox.start()
 
     def close(self, status: str, problems: int) -> None:
         stopped = status != "finished"  # Ctrl-C or SIGTERM: the workers are killed, not waited for

@@ -1,0 +1,67 @@
+"""cuDNN built ahead in the measuring worker (`tuning.vendor_warm`): which candidates it calls, on
+which inputs, and that a failure there decides nothing. cuDNN itself needs a GPU; on the CPU the same
+calls run through torch's CPU flash backend, which has every entry point the cuDNN candidates use."""
+
+import dataclasses
+
+import pytest
+
+from autoflash.device import gpu_fingerprint
+from autoflash.problem import Shape
+from autoflash.space import load_space
+from autoflash.tuning import vendor_warm
+from autoflash.tuning.gate import gate_shapes
+
+pytestmark = pytest.mark.interpreter
+SHAPE = Shape(batch=2, heads_q=4, heads_kv=2, seqlen_q=40, seqlen_k=40, head_dim=32, causal=True, dtype="float32",
+              op="bwd")
+
+
+def variant(op: str, **knobs):
+    return load_space(f"sdpa_{op}").check_declared(knobs)
+
+
+def test_only_cudnn_candidates_are_warmed():
+    whole = variant("bwd", BACKEND="cudnn", FORWARD="sdpa", BACKWARD="sdpa")
+    half = variant("bwd", BACKEND="cudnn", FORWARD="sdpa", BACKWARD="autoflash")
+    flash = variant("bwd", BACKEND="flash", FORWARD="sdpa", BACKWARD="sdpa")
+    valid = {"sdpa_bwd": [whole, flash, half], "triton_bwd": []}
+    assert vendor_warm.cudnn_variants(valid, ["sdpa_bwd"]) == [whole, half]
+    assert vendor_warm.cudnn_variants(valid, []) == []
+
+
+@pytest.mark.parametrize("knobs", [dict(FORWARD="sdpa", BACKWARD="sdpa"), dict(FORWARD="sdpa", BACKWARD="autoflash"),
+                                   dict(FORWARD="autoflash", BACKWARD="sdpa")])
+def test_each_kind_of_candidate_is_called_on_every_gate_shape_and_the_timing_shape(knobs, monkeypatch):
+    from autoflash import vendor
+
+    calls = []
+    for name in ("attention", "gradients", "attention_with_lse", "gradients_from"):
+        real = getattr(vendor.SdpaKernel, name)
+        monkeypatch.setattr(vendor.SdpaKernel, name, lambda self, q, *a, _n=name, _r=real, **kw:
+                            calls.append((_n, tuple(q.shape))) or _r(self, q, *a, **kw))
+    cpu_flash = variant("bwd", BACKEND="flash", **knobs)  # (cuDNN's stand-in: the same methods)
+    inputs = vendor_warm._input_sets(SHAPE)
+    assert len(inputs) == len(gate_shapes(SHAPE)) + 1
+    assert all(vendor_warm._call(SHAPE, cpu_flash, i, "cpu") for i in inputs)
+    shapes = {q for _, q in calls}
+    assert (SHAPE.batch, SHAPE.heads_q, SHAPE.seqlen_q, SHAPE.head_dim) in shapes  # the timing inputs
+    assert len(shapes) >= len(gate_shapes(SHAPE))
+    expected = {"gradients"} if knobs["BACKWARD"] == knobs["FORWARD"] else {"attention_with_lse", "gradients_from"}
+    assert {n for n, _ in calls} - {"attention"} == expected
+    forward = dataclasses.replace(SHAPE, op="fwd")
+    calls.clear()
+    assert vendor_warm._call(forward, variant("fwd", BACKEND="flash"), None, "cpu")
+    assert [n for n, _ in calls] == ["attention"]
+
+
+def test_a_failing_call_is_counted_not_raised_and_nothing_runs_without_a_gpu(monkeypatch):
+    from autoflash import vendor
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: no engine")
+    monkeypatch.setattr(vendor.SdpaKernel, "attention", broken)
+    forward = dataclasses.replace(SHAPE, op="fwd")
+    assert vendor_warm._call(forward, variant("fwd", BACKEND="flash"), None, "cpu") is False
+    done = vendor_warm.warm_cudnn([(forward, [variant("fwd", BACKEND="cudnn")])], "cpu")
+    assert done["samples"]["calls"] == [0]

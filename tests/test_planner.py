@@ -457,7 +457,7 @@ def test_tune_cli_shows_the_plan_and_plots_best_so_far(tmp_path):
     data = json.loads(summary.read_text())
     assert data["problems"] == data["problems_with_winner"] == 2 and data["budget_s"] is None
     assert data["own_measured"] == 6 and data["own_per_min"] > 0 and data["vendor_measured"] == 0
-    assert set(data["phases"]) == {"startup", "vendor", "seed", "rounds", "picks"} and data["wall_s"] > 0
+    assert set(data["phases"]) == {"startup", "cudnn_warm", "vendor", "seed", "rounds", "picks"} and data["wall_s"] > 0
 
 
 def test_a_planned_run_with_a_compile_pool_asks_ahead_and_loses_nothing(tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ class RunSummary:
     compiled: int  # variants sent to the compile pool (each binary once)
     own_measured: int = 0  # own candidates measured in this run
     vendor_measured: int = 0  # vendor candidates measured in this run
-    phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds (startup, vendor, seed, rounds, picks)
+    phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds (startup, cudnn_warm, vendor, seed, rounds, picks)
     gpu_idle_s: float = 0.0  # seconds the measuring worker waited on compiles
     problems_with_winner: int = 0
 
@@ -115,10 +115,10 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
     _compile_seeds(tuner, planner, searches)
     if options.budget_s is not None and planner.reserve_s() > planner.left():
         reporter.budget_short(options.budget_s, options.clock() - start + planner.reserve_s())
-    phases = dict.fromkeys(("startup", "vendor", "seed", "rounds", "picks"), 0.0)
+    phases = dict.fromkeys(("startup", "cudnn_warm", "vendor", "seed", "rounds", "picks"), 0.0)
     phases["startup"] = options.clock() - start  # (the workers' start, the problems opened)
     _warm_vendor(tuner, searches, options)
-    phases["vendor"] = options.clock() - start - phases["startup"]
+    phases["cudnn_warm"] = options.clock() - start - phases["startup"]
     idle, own0, vendor0 = 0.0, tuner.own_measured, tuner.vendor_measured
     while (step := planner.next_step()) is not None:
         t0 = options.clock()

@@ -196,3 +196,16 @@ def test_valid_variants_kept_per_values_the_rules_read():
         fresh = [v for v in space.all_variants() if not space.violations(v, other, HOPPER)]
         assert kept == fresh
     assert space.valid_variants(dataclasses.replace(base, head_dim=256), HOPPER) != space.valid_variants(base, HOPPER)
+
+
+def test_valid_variants_kept_per_names_only_a_derived_expression_reads():
+    """The decode space reads the query tokens and GQA group only through a derived size (`block_m`,
+    then its shared-memory bytes): problems that differ there get their own evaluation."""
+    space = load_space("triton_decode")
+    small = Problem(op="decode", dtype="bfloat16", head_dim=256, causal=False, gqa_group=1, seqlen_q=1, seqlen_k=4096)
+    tight = dataclasses.replace(HOPPER, smem_per_block=64 * 1024)
+    for change in ({"seqlen_q": 64}, {"gqa_group": 64}):
+        other = dataclasses.replace(small, **change)
+        kept = space.valid_variants(other, tight)
+        assert kept == [v for v in space.all_variants() if not space.violations(v, other, tight)]
+    assert space.valid_variants(small, tight) != space.valid_variants(dataclasses.replace(small, seqlen_q=64), tight)

@@ -47,7 +47,8 @@ def test_each_kind_of_candidate_is_called_on_every_gate_shape_and_the_timing_sha
     shapes = {q for _, q in calls}
     assert (SHAPE.batch, SHAPE.heads_q, SHAPE.seqlen_q, SHAPE.head_dim) in shapes  # the timing inputs
     assert len(shapes) >= len(gate_shapes(SHAPE))
-    expected = {"gradients"} if knobs["BACKWARD"] == knobs["FORWARD"] else {"attention_with_lse", "gradients_from"}
+    expected = ({"gradients"} if knobs["BACKWARD"] == knobs["FORWARD"] else {"attention_with_lse"}
+                if knobs["FORWARD"] == "sdpa" else {"attention_with_lse", "gradients_from"})  # (the SDPA halves)
     assert {n for n, _ in calls} - {"attention"} == expected
     forward = dataclasses.replace(SHAPE, op="fwd")
     calls.clear()
@@ -55,13 +56,25 @@ def test_each_kind_of_candidate_is_called_on_every_gate_shape_and_the_timing_sha
     assert [n for n, _ in calls] == ["attention"]
 
 
-def test_a_failing_call_is_counted_not_raised_and_nothing_runs_without_a_gpu(monkeypatch):
+def test_a_failing_call_is_counted_not_raised_and_the_switches_come_back(monkeypatch):
+    """The whole task on the CPU with torch's flash backend in cuDNN's place: every gate shape and the
+    timing shape called, a failure counted (never raised), torch's backend switches as they were;
+    for cuDNN itself nothing runs off a GPU."""
+    import torch
+
     from autoflash import vendor
+
+    switches = [getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "math")]
+    forward = dataclasses.replace(SHAPE, op="fwd")
+    done = vendor_warm.warm(forward, [variant("fwd", BACKEND="flash")], "cpu", backend="flash")
+    assert done["samples"]["calls"] == [len(gate_shapes(forward)) + 1] and done["samples"]["failed"] == [0]
 
     def broken(*args, **kwargs):
         raise RuntimeError("cuDNN Frontend error: no engine")
     monkeypatch.setattr(vendor.SdpaKernel, "attention", broken)
-    forward = dataclasses.replace(SHAPE, op="fwd")
     assert vendor_warm._call(forward, variant("fwd", BACKEND="flash"), None, "cpu") is False
-    done = vendor_warm.warm_cudnn([(forward, [variant("fwd", BACKEND="cudnn")])], "cpu")
-    assert done["samples"]["calls"] == [0]
+    done = vendor_warm.warm(forward, [variant("fwd", BACKEND="flash")], "cpu", backend="flash")
+    assert done["samples"]["failed"] == done["samples"]["calls"] == [len(gate_shapes(forward)) + 1]
+    assert [getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "math")] \
+        == switches
+    assert vendor_warm.warm(forward, [variant("fwd", BACKEND="cudnn")], "cpu")["samples"]["calls"] == [0]

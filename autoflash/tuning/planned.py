@@ -15,9 +15,10 @@ from autoflash.tuning.plan_costs import DECIDED_PICK_TIMINGS, WALL_PER_TIMING, C
 from autoflash.tuning.planner import Arm, Planner, ProblemPlan, Snapshot
 from autoflash.tuning.sandbox import ping
 from autoflash.tuning.results import ProblemResult, Reporter, TuneOptions
-from autoflash.tuning.vendor_warm import cudnn_variants, warm_cudnn
+from autoflash.tuning.vendor_warm import cudnn_variants, warm
 
 
+WARM_SHARE = 0.25  # of a budget, at most, before the cuDNN build-ahead leaves the rest to the candidates
 PHASE_OF = {"vendor": "vendor", "seeds": "seed", "search": "rounds", "pick": "picks"}  # step kind -> phase
 
 
@@ -117,7 +118,7 @@ def run_planned(tuner, shapes: list[Shape], options: TuneOptions, reporter: Repo
         reporter.budget_short(options.budget_s, options.clock() - start + planner.reserve_s())
     phases = dict.fromkeys(("startup", "cudnn_warm", "vendor", "seed", "rounds", "picks"), 0.0)
     phases["startup"] = options.clock() - start  # (the workers' start, the problems opened)
-    _warm_vendor(tuner, searches, options)
+    _warm_vendor(tuner, searches, options, start)
     phases["cudnn_warm"] = options.clock() - start - phases["startup"]
     idle, own0, vendor0 = 0.0, tuner.own_measured, tuner.vendor_measured
     while (step := planner.next_step()) is not None:
@@ -186,12 +187,17 @@ def pair_halves(ps, device) -> list:
     return out
 
 
-def _warm_vendor(tuner, searches: list, options: TuneOptions) -> None:
-    """cuDNN's kernels for every problem's cuDNN candidates, built in the measuring worker before the
-    vendor pass (`vendor_warm`): on a GPU only, before anything is timed (a vendor-pass cost)."""
-    jobs = [(ps.shape, variants) for ps in searches if (variants := cudnn_variants(ps.valid, ps.vendor))]
-    if jobs and not options.interpret:
-        tuner.sandbox.call(warm_cudnn, (jobs, tuner.device_str), options.trial_timeout_s)
+def _warm_vendor(tuner, searches: list, options: TuneOptions, start: float) -> None:
+    """cuDNN's kernels for each problem's cuDNN candidates, built in the measuring worker before the
+    vendor pass (`vendor_warm`; a task per problem): on a GPU only, before anything is timed, and
+    within a quarter of the budget (what is not built ahead is built by the candidate's own call)."""
+    if options.interpret:
+        return
+    for ps in searches:
+        if options.budget_s is not None and options.clock() - start > WARM_SHARE * options.budget_s:
+            return
+        if variants := cudnn_variants(ps.valid, ps.vendor):
+            tuner.sandbox.call(warm, (ps.shape, variants, tuner.device_str), options.trial_timeout_s)
 
 
 def _compile_seeds(tuner, planner: Planner, searches: list) -> None:

@@ -1,7 +1,7 @@
 """The sandbox: candidates run in a separate process (started with `spawn`; it owns the CUDA
 context), so a compile error, an illegal address or a hang costs one recorded trial, not the run.
 The worker tasks (`evaluate_variant`, `compile_variant`, `remeasure`, `ping`, and
-`vendor_warm.warm_cudnn`) are top-level functions, so they pickle by name.
+`vendor_warm.warm`) are top-level functions, so they pickle by name.
 """
 
 from __future__ import annotations

@@ -3,21 +3,21 @@
 The first cuDNN call of a configuration in a process builds its kernels on the host: on an H100 the
 first cuDNN candidate of each new problem took 1.4-5.2 s (forward) and 2-11 s (backward) where the
 next problem of the same head dim, dtype and causality took 0.3-1 s; 65 of a 22-problem run's 80-s
-vendor pass. The measuring worker makes these calls itself, on every gate shape and timing shape
-of the run's problems (the same inputs, layouts and arguments the gate and the timing use, so
-cuDNN meets the same configurations), from several threads at once, before anything is timed:
-nothing else runs on the GPU then. Nothing here decides a result: a call that fails here fails
-again, and is recorded, where the candidate is gated or timed.
+vendor pass. The measuring worker makes these calls first, on each problem's gate shapes and timing
+shape (the inputs, layouts and arguments the gate and the timing use, so cuDNN meets the same
+configurations), before anything is timed (six problems on an H100: 18.8 s of first candidates
+before, 5-7 s of build-ahead and 3 s of candidates after). In the worker's own thread: torch keeps
+its cuDNN graphs per thread, and eight threads built no faster than one.
 
-torch keeps its cuDNN graphs per thread; what the threads build ahead is cuDNN's own kernels for a
-configuration, which the measuring thread's first call then finds.
+Nothing here decides a result: a call that fails here fails again, and is recorded, where the
+candidate is gated or timed. A CUDA error that would outlive its call restarts the worker.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import time
+import warnings
 
 import torch
 
@@ -25,33 +25,36 @@ from autoflash.problem import Shape
 from autoflash.reference import make_inputs, output_grad, sdpa_backend
 from autoflash.space import Variant
 
-THREADS = 8
-
 
 def cudnn_variants(valid: dict, vendor: list[str]) -> list[Variant]:
     """The cuDNN candidates among a problem's valid vendor variants (family -> variants)."""
     return [v for family in vendor for v in valid.get(family, ()) if v.as_dict().get("BACKEND") == "cudnn"]
 
 
-def warm_cudnn(jobs: list[tuple[Shape, list[Variant]]], device_str: str, threads: int = THREADS) -> dict:
-    """A worker task: every cuDNN candidate of each (shape, variants) called once on the shape's gate
-    and timing inputs, `threads` at a time. Returns {"status", "samples": {"seconds", "calls",
-    "failed"}}: nothing on a CPU (no cuDNN)."""
+def warm(shape: Shape, variants: list[Variant], device_str: str, backend: str = "cudnn"):
+    """A worker task: each of `variants` (one SDPA backend's candidates of `shape`'s problem) called
+    once on the gate's and the timing's inputs. Returns {"status", "samples": {"seconds", "calls",
+    "failed"}}, or a runtime_error Outcome that restarts the worker where the device is left in error.
+    Nothing runs for cuDNN off a GPU."""
+    from autoflash.tuning.gate import SDPA_REFUSAL_WARNINGS
+    from autoflash.tuning.sandbox import Outcome
     from autoflash.vendor import only_backend
 
     device = torch.device(device_str)
-    if device.type != "cuda" or not jobs:
-        return {"status": "ok", "samples": {"seconds": [0.0], "calls": [0], "failed": [0]}}
-    calls = [(shape, variant, inputs) for shape, variants in jobs for variant in variants
-             for inputs in _input_sets(shape)]
-    t0 = time.perf_counter()
-    # The backend switches are process-wide: set once here, around every thread's calls (a kernel's
-    # own `only_backend` inside a thread then saves and restores this same setting).
-    with only_backend(sdpa_backend("cudnn")):
-        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            failed = sum(not ok for ok in pool.map(lambda call: _call(*call, device), calls))
-    return {"status": "ok", "samples": {"seconds": [time.perf_counter() - t0], "calls": [len(calls)],
-                                        "failed": [failed]}}
+    t0, calls, failed = time.perf_counter(), 0, 0
+    if device.type == "cuda" or backend != "cudnn":
+        with warnings.catch_warnings(), only_backend(sdpa_backend(backend)):
+            warnings.filterwarnings("ignore", message=SDPA_REFUSAL_WARNINGS, category=UserWarning)
+            for variant in variants:
+                for inputs in _input_sets(shape):
+                    calls += 1
+                    failed += not _call(shape, variant, inputs, device)
+        if device.type == "cuda":
+            try:
+                torch.cuda.synchronize(device)
+            except RuntimeError as e:  # (the worker exits on "illegal" and is started afresh)
+                return Outcome("runtime_error", message=f"illegal device state after the cuDNN build-ahead: {e}")
+    return {"status": "ok", "samples": {"seconds": [time.perf_counter() - t0], "calls": [calls], "failed": [failed]}}
 
 
 def _input_sets(shape: Shape) -> list:
@@ -65,6 +68,7 @@ def _input_sets(shape: Shape) -> list:
 def _call(shape: Shape, variant: Variant, inputs, device) -> bool:
     from autoflash import codegen
     from autoflash.tuning.timing import timing_grad, timing_inputs
+    from autoflash.validate import output_like
 
     try:
         if inputs is None:
@@ -83,11 +87,11 @@ def _call(shape: Shape, variant: Variant, inputs, device) -> bool:
                 kernel.attention(q, k, v, scale, shape.causal)
             elif kernel.whole_pair:
                 kernel.gradients(q, k, v, grad, scale, shape.causal)
-            else:  # a pair with an own half: cuDNN's forward with its log-sum-exp, or its backward from one
+            elif kernel.forward_from == "sdpa":  # cuDNN's forward, with its log-sum-exp, before an own backward
+                kernel.attention_with_lse(q, k, v, scale, shape.causal)
+            else:  # cuDNN's backward after an own forward: from an O laid out as the own forward writes it
                 out, lse = kernel.attention_with_lse(q, k, v, scale, shape.causal)
-                kernel.gradients_from(q, k, v, out, lse, grad, scale, shape.causal)
-        if q.is_cuda:  # (a failure shows here, in its own call)
-            torch.cuda.synchronize(q.device)
+                kernel.gradients_from(q, k, v, output_like(q, v).copy_(out), lse, grad, scale, shape.causal)
         return True
     except Exception:  # noqa: BLE001 - refused or failed: the gate and the timing say so, where it counts
         return False

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import os
 
+from autoflash.device import compile_processes
 from autoflash.problem import Shape
 
 
 def default_jobs() -> int:
-    """All CPUs but two, at most 12, as the tuner's compile pool: compiles are CPU-bound and
-    single-threaded, and nothing is timed while they run (each worker also holds a CUDA context,
-    hence the cap). Half the CPUs left a 64-problem random set compiling for over 200 s on 16 cores."""
-    return max(1, min(12, (os.cpu_count() or 2) - 2))
+    """As the tuner's compile pool (`device.compile_processes`): nothing is timed while they run.
+    Half the CPUs left a 64-problem random set compiling for over 200 s on 16 cores."""
+    return compile_processes()
 
 
 def compile_ahead(shapes: list[Shape], mode: str, jobs: int) -> int:

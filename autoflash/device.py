@@ -45,6 +45,17 @@ INTERPRETER_SM_COUNT = 8  # a stand-in SM count in the interpreter, so that spli
 
 
 @functools.lru_cache(maxsize=None)
+def compile_processes() -> int:
+    """Processes for parallel kernel compiles: the CPUs this process may run on (its affinity, not the
+    machine's count) but two, at most 12 (compiles are CPU-bound and single-threaded; each process
+    also holds a CUDA context)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity call on this platform)
+        usable = os.cpu_count() or 2
+    return max(1, min(12, usable - 2))
+
+
 def launch_sm_count(device) -> int:
     """SMs a launcher sizes its grid for: the GPU's, or the interpreter's stand-in."""
     import torch

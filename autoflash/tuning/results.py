@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import statistics
 import time
 from typing import Callable
 
+from autoflash.device import compile_processes
 from autoflash.problem import Problem, Shape
 from autoflash.space import Variant
 from autoflash.tuning.timing import tflops
@@ -22,7 +22,7 @@ class TuneOptions:
     top_k: int = 3
     rounds: int = 3  # interleaved re-measurement rounds for the top candidates
     rep_ms: float = 40
-    compile_workers: int = max(1, min(12, (os.cpu_count() or 2) - 2))
+    compile_workers: int = dataclasses.field(default_factory=compile_processes)
     trial_timeout_s: float = 180
     seed: int = 0
     interpret: bool = False

@@ -44,7 +44,6 @@ class GPUFingerprint:
 INTERPRETER_SM_COUNT = 8  # a stand-in SM count in the interpreter, so that split heuristics split tiny problems
 
 
-@functools.lru_cache(maxsize=None)
 def compile_processes() -> int:
     """Processes for parallel kernel compiles: the CPUs this process may run on (its affinity, not the
     machine's count) but two, at most 12 (compiles are CPU-bound and single-threaded; each process
@@ -56,6 +55,7 @@ def compile_processes() -> int:
     return max(1, min(12, usable - 2))
 
 
+@functools.lru_cache(maxsize=None)
 def launch_sm_count(device) -> int:
     """SMs a launcher sizes its grid for: the GPU's, or the interpreter's stand-in."""
     import torch

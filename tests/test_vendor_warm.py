@@ -78,3 +78,34 @@ def test_a_failing_call_is_counted_not_raised_and_the_switches_come_back(monkeyp
     assert [getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "math")] \
         == switches
     assert vendor_warm.warm(forward, [variant("fwd", BACKEND="cudnn")], "cpu")["samples"]["calls"] == [0]
+
+
+def test_a_run_builds_ahead_per_problem_in_its_worker_within_a_quarter_of_the_budget():
+    """`planned._warm_vendor` sends one task per problem with cuDNN candidates to the real measuring
+    worker (a spawned process: the task pickles by name), none in the interpreter, and none once a
+    quarter of the budget has gone."""
+    import types
+
+    from autoflash.tuning import planned
+    from autoflash.tuning.results import TuneOptions
+    from autoflash.tuning.sandbox import Sandbox
+
+    forward = dataclasses.replace(SHAPE, op="fwd")
+    cudnn, flash = variant("fwd", BACKEND="cudnn"), variant("fwd", BACKEND="flash")
+    searches = [types.SimpleNamespace(shape=forward, valid={"sdpa_fwd": [cudnn, flash]}, vendor=["sdpa_fwd"]),
+                types.SimpleNamespace(shape=SHAPE, valid={"sdpa_bwd": []}, vendor=["sdpa_bwd"])]
+    answers = []
+    with Sandbox("cpu") as worker:
+        def call(fn, args, timeout_s):
+            answers.append((args[0], args[1], worker.call(fn, args, timeout_s)))
+            return answers[-1][2]
+        tuner = types.SimpleNamespace(sandbox=types.SimpleNamespace(call=call), device_str="cpu")
+        now = [0.0]
+        options = TuneOptions(interpret=False, budget_s=100.0, clock=lambda: now[0])
+        planned._warm_vendor(tuner, searches, options, start=0.0)
+        assert [(shape, variants) for shape, variants, _ in answers] == [(forward, [cudnn])]
+        assert answers[0][2]["status"] == "ok" and answers[0][2]["samples"]["calls"] == [0]  # (no cuDNN here)
+        now[0] = 26.0  # past a quarter of the budget
+        planned._warm_vendor(tuner, searches, options, start=0.0)
+        planned._warm_vendor(tuner, searches, dataclasses.replace(options, interpret=True, budget_s=None), start=0.0)
+    assert len(answers) == 1

@@ -18,6 +18,7 @@ from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
 from autoflash.reference import torch_sdpa
+from autoflash.vendor import other_fused_attention
 from autoflash.sdpa_args import check_sdpa_numbers, check_sdpa_tensors, kernel_views, numbers_reason, sdpa_batch
 from autoflash.validate import (check_sdpa_kinds, deterministic_backward, needs_autograd, output_like,
                                 softmax_scale_or_default, unsupported_reason)
@@ -127,11 +128,15 @@ def run_planned(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bo
     if kernel.vendor:  # a vendor kernel won this problem: called as it is, now and next time
         try:
             vendor_out = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
-        except RuntimeError:  # the backend refused these tensors after all: the own kernel serves
-            kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True)
+        except RuntimeError:  # the backend refused these tensors after all: plain SDPA's pick serves
+            try:
+                out, plan = other_fused_attention(q, k, v, sm_scale, causal), _other_fused_plan(sm_scale, causal)
+                kernel = None
+            except RuntimeError:  # (and where torch's fused backends refuse too, the own kernel)
+                kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True)
         else:
             out, plan = vendor_out, _vendor_plan(kernel, sm_scale, causal, causal_offset)
-    if not kernel.vendor:
+    if kernel is not None and not kernel.vendor:
         if memoize:
             plan = _own_plan(kernel, q, k, v, out, sm_scale, causal, causal_offset)  # (runs this call)
         else:
@@ -170,10 +175,17 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
         half_vendor_pair.pair = pair  # (what serves, for a look from outside)
         return half_vendor_pair
 
+    refused = []  # the winner's backend refused this signature once: not asked again
+
     def vendor_pair(q, k, v):
+        if not refused:
+            try:
+                return winner.attention(q, k, v, sm_scale, causal, causal_offset)
+            except RuntimeError:  # the backend refused these tensors after all: plain SDPA's pick serves
+                refused.append(True)
         try:
-            return winner.attention(q, k, v, sm_scale, causal, causal_offset)
-        except RuntimeError:  # the backend refused these tensors after all: autoflash's pair serves
+            return other_fused_attention(q, k, v, sm_scale, causal)
+        except RuntimeError:  # (and where torch's fused backends refuse too, autoflash's pair)
             return own(q, k, v)
     return vendor_pair
 
@@ -194,6 +206,13 @@ def _vendor_plan(kernel, sm_scale: float, causal: bool, causal_offset: int):
     """The plan of a signature a vendor kernel serves: `plan(q, k, v) -> out`, the kernel called as it is."""
     def plan(q, k, v):
         return kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+    return plan
+
+
+def _other_fused_plan(sm_scale: float, causal: bool):
+    """The plan of a signature the vendor winner refused and torch's flash or efficient backend took."""
+    def plan(q, k, v):
+        return other_fused_attention(q, k, v, sm_scale, causal)
     return plan
 
 

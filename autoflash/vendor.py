@@ -73,6 +73,7 @@ def runs_own_half(knobs) -> bool:
 # attention a vendor kernel serves paid it in every layer. The same switches, read and written
 # directly, cost a few microseconds (tests/test_vendor.py holds the two to the same effect).
 _SWITCHES = _sdpa_switches()
+FALLBACK_BACKENDS = (sdpa_backend("flash"), sdpa_backend("efficient"))  # (torch's fused backends after cuDNN: `other_fused_attention`)
 
 
 class SdpaKernel:
@@ -185,26 +186,37 @@ class SdpaKernel:
         return f"SdpaKernel({self.family}: {self.backend})"
 
 
-class only_backend:
-    """`with only_backend(b):` torch SDPA may use backend b alone, as with
-    `torch.nn.attention.sdpa_kernel([b])`: the same global switches, restored on exit."""
+def other_fused_attention(q, k, v, sm_scale: float, causal: bool) -> torch.Tensor:
+    """SDPA on torch's flash or memory-efficient backend (torch's own pick between them), for a call
+    the backend serving it refused after all (cuDNN takes no training call of one query and one key):
+    what plain SDPA runs there, so such a call is never slower than plain SDPA. Differentiable through
+    torch autograd; RuntimeError where both refuse too."""
+    with only_backend(FALLBACK_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
-    __slots__ = ("backend", "previous", "fallback")
+
+class only_backend:
+    """`with only_backend(b):` torch SDPA may use backend b alone (or the backends of a tuple b), as
+    with `torch.nn.attention.sdpa_kernel([b])`: the same global switches, restored on exit."""
+
+    __slots__ = ("backends", "previous", "fallback")
 
     def __init__(self, backend):
-        self.backend, self.previous, self.fallback = backend, None, None
+        self.backends = tuple(backend) if isinstance(backend, tuple) else (backend,)
+        self.previous, self.fallback = None, None
 
     def __enter__(self):
         if _SWITCHES is None:
             from torch.nn.attention import sdpa_kernel
 
-            self.fallback = sdpa_kernel([self.backend])
+            self.fallback = sdpa_kernel(list(self.backends))
             return self.fallback.__enter__()
         # Only the switches that change are written, and only those restored (a model's layers
         # call this per attention: each torch._C call is host time).
         changed = []
         for backend, read, write in _SWITCHES:
-            was, wanted = read(), backend == self.backend
+            was, wanted = read(), backend in self.backends
             if was != wanted:
                 write(wanted)
                 changed.append((write, was))

@@ -491,3 +491,44 @@ def test_the_backward_gate_of_sdpas_whole_pair_builds_no_own_kernel(monkeypatch)
     assert whole.passed and whole.err > 0 and not built, whole.detail
     mixed = gate.check(codegen.load(sdpa("bwd", "flash", forward="autoflash")), shape, "cpu")
     assert mixed.passed and built, mixed.detail
+
+
+class _CountedRefusal(SdpaKernel):
+    """A served vendor kernel whose backend refuses every call after all (as cuDNN refuses a training
+    call of one query and one key), counting how often it was asked."""
+
+    asked = 0
+
+    def attention(self, q, k, v, sm_scale, causal, causal_offset=0):
+        type(self).asked += 1
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_vendor_winner_that_refuses_after_all_gives_plain_sdpas_pick_not_the_own_kernels(monkeypatch, training):
+    """Where the served backend refuses a call at run time, torch's other fused backends serve it (what
+    plain SDPA would run: on the H100 a one-query one-key training call fell to the own pair at 0.88x
+    SDPA-flash), the refusal is asked once per signature, and the answer is SDPA's."""
+    api.reset()
+    _CountedRefusal.asked = 0
+    refusing = _CountedRefusal(sdpa("bwd" if training else "fwd", "flash"))
+    own_asked = []
+    original = Dispatcher.kernel_for
+
+    def kernel_for(self, q, k, v, o, causal, op="fwd", own_only=False, **kw):
+        if own_only:
+            own_asked.append(op)
+            return original(self, q, k, v, o, causal, op, own_only=own_only, **kw)
+        return refusing
+
+    monkeypatch.setattr(Dispatcher, "kernel_for", kernel_for)
+    q, k, v = (t.requires_grad_(training) for t in make_inputs(SHAPE, "cpu", seed=3))
+    for _ in range(3):
+        out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
+        if training:
+            out.sum().backward()
+    want = torch.nn.functional.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True,
+                                                            enable_gqa=True)
+    assert rel_error(out.detach(), want) < 1e-5
+    assert _CountedRefusal.asked == 1 and own_asked == []
+    api.reset()

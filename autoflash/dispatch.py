@@ -51,6 +51,9 @@ class Dispatcher:
         self._told_untuned: set = set()
         self._tuned_on_miss: set = set()
         self._served: dict = {}  # (problem, device key) -> variant, for callers that launch themselves (decode)
+        # Kernels other modules derive from what serves (dropout's: the served variant rendered with
+        # it), keyed by their callers: forgotten with the winners they came from.
+        self.derived: dict = {}
         self._recorded: set = set()  # AUTOFLASH_RECORD: shapes written already (the op is not part)
         self._record_failed: set = set()
         self._refused_record: set = set()  # AUTOFLASH_RECORD files that are no shape set: never written
@@ -61,6 +64,7 @@ class Dispatcher:
             self.kernels.clear()
             self._winners.clear()
             self._served.clear()
+            self.derived.clear()
 
     def winners(self, device: GPUFingerprint, device_index=None) -> WinnerTable:
         table = self._winners.get(device_index)
@@ -114,6 +118,7 @@ class Dispatcher:
             self.kernels.clear()
             self._winners.clear()  # reload, now with the new winner
             self._served.clear()
+            self.derived.clear()
 
     def variant_for(self, problem: Problem, device: GPUFingerprint, device_index=None, own_only: bool = False) -> Variant:
         """The variant that serves this problem (`choose`). own_only: autoflash's own kernels only."""

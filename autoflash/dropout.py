@@ -58,17 +58,40 @@ def draw(p: float, device=None) -> DropoutArgs:
 
 
 # --------------------------------------------------------------------------- serving
+MAX_REMEMBERED = 4096  # distinct call signatures whose dropout kernels are remembered (then forgotten, all)
+
+
 def kernels_for(q, k, v, o, causal: bool, op: str, deterministic: bool = False, score: ScoreVariant = PLAIN):
     """The kernel of `op` for these (B, H, N, D) tensors with dropout: the variant the dispatcher
     serves the plain problem with (its winner, else the default), rendered with DROPOUT; a winner of
     a family without dropout (the Gluon forward) gives the op's default variant, and tensors the
-    variant cannot take (TMA alignment) its pointer-load twin, as the dispatcher's `_servable`."""
-    from autoflash import codegen, families
-    from autoflash.device import gpu_fingerprint
+    variant cannot take (TMA alignment) its pointer-load twin, as the dispatcher's `_servable`.
+    Resolved once per call signature (the dispatcher forgets them with its winners): a training step
+    asks three times, and resolving costs ~150 us of host time each, as much as a short step's kernels."""
     from autoflash.dispatch import get_dispatcher
-    from autoflash.space import default_variant, load_space
 
     dispatcher = get_dispatcher()
+    key = ("dropout", op, causal, deterministic, score, q.device, q.dtype, k.dtype,
+           *((t.shape, t.stride(), not t.data_ptr() & 15) for t in (q, k, v, o)))
+    found = dispatcher.derived.get(key)
+    if found is None:
+        try:
+            found = _resolve(dispatcher, q, k, v, o, causal, op, deterministic, score)
+        except _Unservable as e:
+            found = str(e)
+        if len(dispatcher.derived) >= MAX_REMEMBERED:
+            dispatcher.derived.clear()
+        dispatcher.derived[key] = found
+    if isinstance(found, str):
+        raise _Unservable(found)
+    return found
+
+
+def _resolve(dispatcher, q, k, v, o, causal: bool, op: str, deterministic: bool, score: ScoreVariant):
+    from autoflash import codegen, families
+    from autoflash.device import gpu_fingerprint
+    from autoflash.space import default_variant, load_space
+
     plain = dispatcher.kernel_for(q, k, v, o, causal, op, own_only=True, deterministic=deterministic, score=score)
     device = gpu_fingerprint(q.device.index if q.is_cuda else None)
     problem = dispatcher.problem_for(q, k, causal, op, device.sm_count, score, head_dim_v=v.shape[-1])

@@ -535,3 +535,37 @@ def test_dropout_on_the_gpu_runs_in_torch_unless_the_kernels_are_asked_for(monke
     assert "runs in torch" in why and "AUTOFLASH_DROPOUT_KERNELS=1" in why
     monkeypatch.setenv("AUTOFLASH_DROPOUT_KERNELS", "1")  # past the policy: the next check speaks (p = 1)
     assert "dropout_p=1.0" in dropout.unsupported(_CudaLike(), None, None, 1.0, None, training=True)
+
+
+@pytest.mark.interpreter
+def test_a_signatures_dropout_kernels_are_resolved_once_and_forgotten_with_the_winners(monkeypatch):
+    """A training step asks for its dropout kernels three times (the early refusal check, the forward,
+    the backward), each resolution ~150 us of host time: resolved once per call signature, resolved
+    again after the dispatcher forgets its winners, and a refusal is remembered as a refusal."""
+    import autoflash
+    from autoflash import api, dropout
+
+    _strict(monkeypatch)
+    monkeypatch.setenv("AUTOFLASH_DROPOUT_KERNELS", "1")
+    resolved = []
+    real = dropout._resolve
+    monkeypatch.setattr(dropout, "_resolve", lambda *a: resolved.append(a[6]) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g).requires_grad_() for _ in range(3))
+    for _ in range(3):
+        autoflash.attention(q, k, v, dropout_p=0.2).sum().backward()
+    assert sorted(resolved) == ["bwd", "bwd", "fwd"]  # (the backward's dO has its own strides: its own key)
+    api.reset()
+    autoflash.attention(q, k, v, dropout_p=0.2).sum().backward()
+    assert len(resolved) == 6
+
+    def refuse(*a):
+        resolved.append("refused")
+        raise dropout._Unservable("no bwd family with dropout")
+
+    monkeypatch.setattr(dropout, "_resolve", refuse)
+    api.reset()
+    for _ in range(2):
+        with pytest.raises(dropout._Unservable, match="no bwd family"):
+            dropout.kernels_for(q, k, v, q, False, "bwd")
+    assert resolved.count("refused") == 1

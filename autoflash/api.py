@@ -18,7 +18,7 @@ from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
 from autoflash.reference import torch_sdpa
-from autoflash.vendor import other_fused_attention
+from autoflash.vendor import other_fused_attention, quiet_refusals
 from autoflash.sdpa_args import check_sdpa_numbers, check_sdpa_tensors, kernel_views, numbers_reason, sdpa_batch
 from autoflash.validate import (check_sdpa_kinds, deterministic_backward, needs_autograd, output_like,
                                 softmax_scale_or_default, unsupported_reason)
@@ -127,7 +127,8 @@ def run_planned(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bo
     kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=own_only)
     if kernel.vendor:  # a vendor kernel won this problem: called as it is, now and next time
         try:
-            vendor_out = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
+            with quiet_refusals():  # (a refusal's warnings would tell of a path this call does not take)
+                vendor_out = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
         except RuntimeError:  # the backend refused these tensors after all: plain SDPA's pick serves
             try:
                 out, plan = other_fused_attention(q, k, v, sm_scale, causal), _other_fused_plan(sm_scale, causal)
@@ -175,14 +176,19 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
         half_vendor_pair.pair = pair  # (what serves, for a look from outside)
         return half_vendor_pair
 
-    refused = []  # the winner's backend refused this signature once: not asked again
+    asked = []  # what the winner's backend said to this signature's first call: "took" or "refused"
 
     def vendor_pair(q, k, v):
-        if not refused:
+        if asked == ["took"]:
+            return winner.attention(q, k, v, sm_scale, causal, causal_offset)
+        if not asked:
             try:
-                return winner.attention(q, k, v, sm_scale, causal, causal_offset)
+                with quiet_refusals():  # (a refusal's warnings would tell of a path this call does not take)
+                    out = winner.attention(q, k, v, sm_scale, causal, causal_offset)
+                asked.append("took")
+                return out
             except RuntimeError:  # the backend refused these tensors after all: plain SDPA's pick serves
-                refused.append(True)
+                asked.append("refused")
         try:
             return other_fused_attention(q, k, v, sm_scale, causal)
         except RuntimeError:  # (and where torch's fused backends refuse too, autoflash's pair)

@@ -18,7 +18,9 @@ What differs from a generated kernel, and who checks it:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -186,12 +188,27 @@ class SdpaKernel:
         return f"SdpaKernel({self.family}: {self.backend})"
 
 
+# What torch warns while a forced backend looks for a kernel it lacks: the refusal (a RuntimeError) is
+# the answer, and autoflash serves the call otherwise; the warnings would only tell users of a path
+# their call did not take.
+SDPA_REFUSAL_WARNINGS = (r"(Flash attention|Memory efficient|Memory Efficient attention|cuDNN attention|Flash Attention)"
+                         r".*(not used because|runtime disabled|does not support)|For dense input, both fused kernels")
+
+
+@contextlib.contextmanager
+def quiet_refusals():
+    """torch's refusal warnings (`SDPA_REFUSAL_WARNINGS`) are not shown inside."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SDPA_REFUSAL_WARNINGS, category=UserWarning)
+        yield
+
+
 def other_fused_attention(q, k, v, sm_scale: float, causal: bool) -> torch.Tensor:
     """SDPA on torch's flash or memory-efficient backend (torch's own pick between them), for a call
     the backend serving it refused after all (cuDNN takes no training call of one query and one key):
     what plain SDPA runs there, so such a call is never slower than plain SDPA. Differentiable through
     torch autograd; RuntimeError where both refuse too."""
-    with only_backend(FALLBACK_BACKENDS):
+    with quiet_refusals(), only_backend(FALLBACK_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import torch
 
@@ -27,6 +26,7 @@ from autoflash.reference import (causal_offset_for, decode_reference, lse_error,
                                  sdpa_error, sdpa_grads)
 from autoflash.space import Variant, default_variant, load_space
 from autoflash.training import training_pair_for
+from autoflash.vendor import quiet_refusals
 from autoflash.validate import output_like
 
 GATE_FACTOR = 2.0  # candidate error <= GATE_FACTOR * SDPA's error (DESIGN.md §4)
@@ -144,8 +144,6 @@ def _alignment(kernel: Kernel, gs: Shape, i: int) -> int:
 # What torch warns while a forced SDPA backend looks for a kernel it does not have (one warning per
 # reason, per gate shape): the gate records the refusal itself, and a tuning run's progress lines
 # were lost among them.
-SDPA_REFUSAL_WARNINGS = (r"(Flash attention|Memory efficient|Memory Efficient attention|cuDNN attention|Flash Attention)"
-                         r".*(not used because|runtime disabled|does not support)|For dense input, both fused kernels")
 
 
 def check(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
@@ -157,8 +155,7 @@ def check(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
     gate = check_backward if kernel.op == "bwd" else check_forward
     if not kernel.vendor:
         return gate(kernel, shape, device, seed)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=SDPA_REFUSAL_WARNINGS, category=UserWarning)
+    with quiet_refusals():
         return gate(kernel, shape, device, seed)
 
 

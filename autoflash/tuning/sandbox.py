@@ -13,7 +13,6 @@ import os
 import queue
 import time
 import traceback
-import warnings
 
 import torch
 
@@ -21,9 +20,10 @@ from autoflash.device import interpreter_enabled
 from autoflash.problem import Shape
 from autoflash.reference import causal_offset_for, make_inputs
 from autoflash.space import Variant
-from autoflash.tuning.gate import SDPA_REFUSAL_WARNINGS, check, gate_score_args, gate_shapes
+from autoflash.tuning.gate import check, gate_score_args, gate_shapes
 from autoflash.tuning.timing import (MIN_REPS, SDPA_BACKENDS, launch_callable, sdpa_callable, time_callable,
                                      time_variant, timing_inputs)
+from autoflash.vendor import quiet_refusals
 
 
 @dataclasses.dataclass
@@ -131,8 +131,7 @@ def _quick_before_gate(kernel, shape: Shape, device, rep_ms: float) -> float | N
     if not (_bar_ms and getattr(kernel, "vendor", False) and getattr(kernel, "whole_pair", False)):
         return None
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=SDPA_REFUSAL_WARNINGS, category=UserWarning)
+        with quiet_refusals():
             return time_variant(kernel, shape, device, rep_ms=rep_ms * QUICK_TIMING)
     except (RuntimeError, ValueError):  # (refused: "No available kernel", or inputs it cannot take)
         return None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 
 import torch
 
@@ -36,15 +35,13 @@ def warm(shape: Shape, variants: list[Variant], device_str: str, backend: str = 
     once on the gate's and the timing's inputs. Returns {"status", "samples": {"seconds", "calls",
     "failed"}}, or a runtime_error Outcome that restarts the worker where the device is left in error.
     Nothing runs for cuDNN off a GPU."""
-    from autoflash.tuning.gate import SDPA_REFUSAL_WARNINGS
     from autoflash.tuning.sandbox import Outcome
-    from autoflash.vendor import only_backend
+    from autoflash.vendor import only_backend, quiet_refusals
 
     device = torch.device(device_str)
     t0, calls, failed = time.perf_counter(), 0, 0
     if device.type == "cuda" or backend != "cudnn":
-        with warnings.catch_warnings(), only_backend(sdpa_backend(backend)):
-            warnings.filterwarnings("ignore", message=SDPA_REFUSAL_WARNINGS, category=UserWarning)
+        with quiet_refusals(), only_backend(sdpa_backend(backend)):
             for variant in variants:
                 for inputs in _input_sets(shape):
                     calls += 1

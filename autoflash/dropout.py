@@ -102,6 +102,8 @@ def _resolve(dispatcher, q, k, v, o, causal: bool, op: str, deterministic: bool,
     # has not run on a GPU yet: the same variant without it, until a GPU check shows it right.
     candidates = [load_space(c.family).nearest_valid(c.replace(WARP_SPECIALIZE=False), problem, device)
                   if c.as_dict().get("WARP_SPECIALIZE") else c for c in candidates]
+    if op == "fwd":
+        candidates = [_dropout_forward_tiles(c, problem, device) for c in candidates]
     for variant in list(candidates):
         space = load_space(variant.family)
         if "LOADS" in space.knobs and "pointer" in space.knobs["LOADS"]:
@@ -113,6 +115,26 @@ def _resolve(dispatcher, q, k, v, o, causal: bool, op: str, deterministic: bool,
         if (why := kernel.unsupported(q, k, v, o)) is None:
             return kernel
     raise _Unservable(why)
+
+
+# The forward's tiles with the Philox draw rendered in (nothing tunes dropout problems yet). Measured on
+# an H100 (benchmarks/dropout_variants_sweep.py, 21 forward variants each, with dropout 0.1 and without,
+# docs/results/2026-12-07-h100-policy-dropout.md): 64x64 tiles with 4 warps were the fastest with
+# dropout at BERT-large's shape (d64, 512 tokens) and Llama-3-8B's (d128 causal 2k), where the plain
+# problem's default (128-row tiles; 8 warps at d128) was fastest or near it without: the draw's
+# registers, on top of the larger tile's, cost the larger tile 0.772 ms against 0.636 at Llama's shape
+# (0.259 against 0.253 at BERT's). Two stages: the variant measured at both.
+DROPOUT_FORWARD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def _dropout_forward_tiles(variant, problem, device):
+    """`variant` with the forward tiles dropout ran fastest with, where its space allows them."""
+    from autoflash.space import load_space
+
+    space = load_space(variant.family)
+    if not set(DROPOUT_FORWARD_TILES) <= set(space.knobs):
+        return variant
+    return space.nearest_valid(variant.replace(**DROPOUT_FORWARD_TILES), problem, device)
 
 
 class _Unservable(Exception):
@@ -157,9 +179,10 @@ def unsupported(q, k, v, p: float, scale, training: bool, score: ScoreArgs | Non
     if torch.compiler.is_compiling():
         return "traced by torch.compile: dropout in the kernels has no registered op yet"
     if q.is_cuda and os.environ.get("AUTOFLASH_DROPOUT_KERNELS", "0").strip() != "1":
-        # Measured on an H100 (benchmarks/dropin_speed.py, 2026-12-06): the training pair with dropout 0.1
-        # on the own kernels ran at 0.32x (BERT-large) and 0.66x (Llama-3-8B; 0.34x with a Philox draw per
-        # key) of SDPA-cuDNN's; torch keeps these calls until the kernels are faster (untuned kernels).
+        # Measured on an H100 (benchmarks/dropin_speed.py, 2026-12-07): the training pair with dropout 0.1
+        # on the own kernels ran at 0.66x SDPA-cuDNN's at BERT-large's and at Llama-3-8B's shape (the
+        # backward pays 1.6-2.0x its plain time for the draws); torch keeps these calls until the kernels
+        # are faster.
         return ("dropout on the GPU runs in torch: autoflash's dropout kernels are slower than SDPA's so far "
                 "(AUTOFLASH_DROPOUT_KERNELS=1 serves them)")
     if not 0.0 < p < 1.0:

@@ -381,6 +381,7 @@ def test_a_winner_without_dropout_is_served_by_the_default_family_and_no_warp_sp
     for winner in (gluon, ws):
         monkeypatch.setattr(get_dispatcher(), "kernel_for",
                             lambda *a, _w=winner, **kw: type("K", (), {"variant": _w})())
+        get_dispatcher().derived.clear()  # (a signature's dropout kernels are remembered)
         kernel = dropout.kernels_for(q, q, q, q, False, "fwd")
         assert kernel.family == "triton_fwd" and kernel.dropout and not kernel.variant["WARP_SPECIALIZE"]
 
@@ -569,3 +570,22 @@ def test_a_signatures_dropout_kernels_are_resolved_once_and_forgotten_with_the_w
         with pytest.raises(dropout._Unservable, match="no bwd family"):
             dropout.kernels_for(q, k, v, q, False, "bwd")
     assert resolved.count("refused") == 1
+
+
+def test_the_dropout_forward_takes_the_tiles_measured_fastest_with_the_draw(monkeypatch):
+    """Whatever forward serves the plain problem (its default: 128-row tiles), the forward rendered with
+    dropout runs the 64x64 tiles, 4 warps and 2 stages measured fastest with the Philox draw, its other
+    knobs kept."""
+    from autoflash import dropout
+    from autoflash.dispatch import get_dispatcher
+
+    q = torch.zeros(1, 2, 64, 64)
+    problem = Problem("fwd", "float32", 64, False, 1, 64, 64)
+    plain = load_space("fwd").default_for(problem, _device()).replace(BLOCK_M=128, num_warps=8, LOADS="pointer",
+                                                                      WARP_SPECIALIZE=False)
+    monkeypatch.setattr(get_dispatcher(), "kernel_for", lambda *a, **kw: type("K", (), {"variant": plain})())
+    get_dispatcher().derived.clear()
+    kernel = dropout.kernels_for(q, q, q, q, False, "fwd")
+    assert {k: kernel.variant[k] for k in dropout.DROPOUT_FORWARD_TILES} == dropout.DROPOUT_FORWARD_TILES
+    assert kernel.variant["LOADS"] == "pointer"
+    get_dispatcher().derived.clear()

@@ -51,9 +51,7 @@ class Dispatcher:
         self._told_untuned: set = set()
         self._tuned_on_miss: set = set()
         self._served: dict = {}  # (problem, device key) -> variant, for callers that launch themselves (decode)
-        # Kernels other modules derive from what serves (dropout's: the served variant rendered with
-        # it), keyed by their callers: forgotten with the winners they came from.
-        self.derived: dict = {}
+        self.derived: dict = {}  # kernels derived from what serves (dropout's), by their callers' keys
         self._recorded: set = set()  # AUTOFLASH_RECORD: shapes written already (the op is not part)
         self._record_failed: set = set()
         self._refused_record: set = set()  # AUTOFLASH_RECORD files that are no shape set: never written
@@ -61,10 +59,8 @@ class Dispatcher:
     def reset(self) -> None:
         """Forget loaded winners and compiled kernels (e.g. after tuning into the DB)."""
         with self._lock:
-            self.kernels.clear()
-            self._winners.clear()
-            self._served.clear()
-            self.derived.clear()
+            for memo in (self.kernels, self._winners, self._served, self.derived):
+                memo.clear()
 
     def winners(self, device: GPUFingerprint, device_index=None) -> WinnerTable:
         table = self._winners.get(device_index)
@@ -114,11 +110,7 @@ class Dispatcher:
             warnings.warn(f"autoflash: tune-on-miss failed for {problem.key}: {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=3)
             return
-        with self._lock:
-            self.kernels.clear()
-            self._winners.clear()  # reload, now with the new winner
-            self._served.clear()
-            self.derived.clear()
+        self.reset()  # (the winners reload, now with the new one)
 
     def variant_for(self, problem: Problem, device: GPUFingerprint, device_index=None, own_only: bool = False) -> Variant:
         """The variant that serves this problem (`choose`). own_only: autoflash's own kernels only."""

@@ -152,10 +152,20 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
                    deterministic: bool = False):
     """plan(q, k, v) -> differentiable out. The backward problem's winner decides the pair: SDPA's
     whole pair runs through torch autograd; an own pair, or one half SDPA's and the other autoflash's,
-    runs through `EagerAttention`. deterministic: the own pair, with a backward variant whose gradients
-    are bitwise repeatable (no float32 atomics; SDPA's backends decide their own determinism)."""
+    runs through `EagerAttention`. deterministic: a backward variant whose gradients are bitwise
+    repeatable (no float32 atomics; SDPA's backends decide their own determinism), after the forward
+    that serves the call's forward problem: SDPA's with its log-sum-exp where an SDPA backend serves it
+    and has that op (`ops.sdpa_forward_half`), else the own forward."""
     from autoflash import ops
     from autoflash.training import EagerAttention
+
+    if deterministic and not own_only and (half := ops.sdpa_forward_half(q, k, v, causal)) is not None:
+        pair = ops.training_pair(q, k, v, sm_scale, causal, causal_offset, winner=half, deterministic=True)
+
+        def sdpa_forward_deterministic_backward(q, k, v):
+            return EagerAttention.apply(q, k, v, pair)
+        sdpa_forward_deterministic_backward.pair = pair  # (what serves, for a look from outside)
+        return sdpa_forward_deterministic_backward
 
     pairs = []  # the own pair, built at its first use (not at all while a vendor pair serves)
 

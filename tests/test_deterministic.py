@@ -188,6 +188,45 @@ def test_two_deterministic_backward_passes_are_bitwise_equal(form, atomic_winner
     assert repeatable(served_dq_modes())
 
 
+@pytest.mark.interpreter
+def test_a_forward_sdpa_serves_stays_in_the_deterministic_pair(tmp_path, monkeypatch, atomic_winner):
+    """Where an SDPA backend serves the call's forward problem (here a stored winner of the CPU build's
+    flash backend; on a GPU the policy's SDPA-cuDNN), a deterministic training call keeps that forward
+    (with its log-sum-exp) before the own backward without atomics: the gradients are the float64
+    reference's and bitwise repeatable. A call that is not deterministic is served as before."""
+    from autoflash import codegen
+    from autoflash.problem import Shape
+    from autoflash.store import Store
+
+    device = gpu_fingerprint()
+    shape = Shape(batch=1, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, head_dim=16, causal=True, dtype="float32")
+    flash = load_space("sdpa_fwd").check_declared({"BACKEND": "flash"})
+    store = Store(tmp_path / "user.db")
+    store.add_gpu(device)
+    store.set_winner(gpu_key=device.key, problem=shape.problem, template_hash=codegen.template_hash("sdpa_fwd"),
+                     variant_json=flash.json(), median_ms=1.0, spread=0.0, tflops=1.0, trials=3)
+    store.close()
+    monkeypatch.setenv("AUTOFLASH_DB", str(tmp_path / "user.db"))
+    api.reset()
+    q, k, v = rand(1, 33, 4, 16, seed=21), rand(1, 33, 2, 16, seed=22), rand(1, 33, 2, 16, seed=23)
+
+    def call(*t):
+        return autoflash.flash_attn_func(*t, causal=True, deterministic=True)
+    first, second = _backward(call, (q, k, v)), _backward(call, (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    (plan,) = api.training_plans.values()
+    assert plan.pair.forward_kernel.vendor and not plan.pair.backward_kernel.vendor
+    assert plan.pair.backward_kernel.variant["DQ_MODE"] in REPEATABLE
+    do = rand(1, 33, 4, 16, seed=99).transpose(1, 2)
+    want = reference_grads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), do, True, 0, 16 ** -0.5)
+    for mine, ref in zip(first, want):
+        assert rel_error(mine.transpose(1, 2), ref) < 1e-5
+    api.reset()
+    _backward(autoflash.flash_attn_func, (q, k, v), causal=True)  # not deterministic: the backward's winner
+    (plan,) = api.training_plans.values()
+    assert not hasattr(plan, "pair") or not plan.pair.forward_kernel.vendor
+
+
 # ----------------------------------------------------------------------------- on the GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, causal, heads", [(64, True, (16, 16)), (128, False, (16, 4)), (64, True, (8, 1))])

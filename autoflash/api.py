@@ -18,7 +18,7 @@ from autoflash.device import interpreter_enabled
 from autoflash.dispatch import get_dispatcher
 from autoflash.fallback import FallbackError, FallbackWarning, fall_back, strict_mode, warned_reasons  # noqa: F401
 from autoflash.reference import torch_sdpa
-from autoflash.vendor import other_fused_attention, quiet_refusals
+from autoflash.vendor import is_refusal, other_fused_attention, quiet_refusals
 from autoflash.sdpa_args import check_sdpa_numbers, check_sdpa_tensors, kernel_views, numbers_reason, sdpa_batch
 from autoflash.validate import (check_sdpa_kinds, deterministic_backward, needs_autograd, output_like,
                                 softmax_scale_or_default, unsupported_reason)
@@ -126,17 +126,13 @@ def run_planned(q, k, v, causal: bool, causal_offset: int, scale, enable_gqa: bo
     out = output_like(q, v)
     kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=own_only)
     if kernel.vendor:  # a vendor kernel won this problem: called as it is, now and next time
-        try:
-            with quiet_refusals():  # (a refusal's warnings would tell of a path this call does not take)
-                vendor_out = kernel.attention(q, k, v, sm_scale, causal, causal_offset)
-        except RuntimeError:  # the backend refused these tensors after all: plain SDPA's pick serves
-            try:
-                out, plan = other_fused_attention(q, k, v, sm_scale, causal), _other_fused_plan(sm_scale, causal)
-                kernel = None
-            except RuntimeError:  # (and where torch's fused backends refuse too, the own kernel)
-                kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True)
-        else:
-            out, plan = vendor_out, _vendor_plan(kernel, sm_scale, causal, causal_offset)
+        how, vendor_out = _first_vendor_call(kernel, q, k, v, sm_scale, causal, causal_offset)
+        if how == "took":
+            out, plan, kernel = vendor_out, _vendor_plan(kernel, sm_scale, causal, causal_offset), None
+        elif how == "other":  # the backend refused these tensors after all: plain SDPA's pick serves
+            out, plan, kernel = vendor_out, _other_fused_plan(sm_scale, causal), None
+        else:  # (torch's fused backends refused them too: the own kernel)
+            kernel = get_dispatcher().kernel_for(q, k, v, out, causal, own_only=True)
     if kernel is not None and not kernel.vendor:
         if memoize:
             plan = _own_plan(kernel, q, k, v, out, sm_scale, causal, causal_offset)  # (runs this call)
@@ -186,23 +182,28 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
         half_vendor_pair.pair = pair  # (what serves, for a look from outside)
         return half_vendor_pair
 
-    asked = []  # what the winner's backend said to this signature's first call: "took" or "refused"
+    state = [None]  # how this signature's first call was served (`_first_vendor_call`)
 
     def vendor_pair(q, k, v):
-        if asked == ["took"]:
-            return winner.attention(q, k, v, sm_scale, causal, causal_offset)
-        if not asked:
+        how = state[0]
+        if how is None:
+            how, out = _first_vendor_call(winner, q, k, v, sm_scale, causal, causal_offset)
+            state[0] = how
+            return out if how != "own" else own(q, k, v)
+        if how == "took":
             try:
-                with quiet_refusals():  # (a refusal's warnings would tell of a path this call does not take)
-                    out = winner.attention(q, k, v, sm_scale, causal, causal_offset)
-                asked.append("took")
-                return out
-            except RuntimeError:  # the backend refused these tensors after all: plain SDPA's pick serves
-                asked.append("refused")
-        try:
-            return other_fused_attention(q, k, v, sm_scale, causal)
-        except RuntimeError:  # (and where torch's fused backends refuse too, autoflash's pair)
-            return own(q, k, v)
+                return winner.attention(q, k, v, sm_scale, causal, causal_offset)
+            except RuntimeError as e:  # (it took the first call of this signature: this one goes on below)
+                if not is_refusal(e):
+                    raise
+                how = "other"
+        if how == "other":
+            try:
+                return other_fused_attention(q, k, v, sm_scale, causal)
+            except RuntimeError as e:
+                if not is_refusal(e):
+                    raise
+        return own(q, k, v)
     return vendor_pair
 
 
@@ -223,6 +224,23 @@ def _vendor_plan(kernel, sm_scale: float, causal: bool, causal_offset: int):
     def plan(q, k, v):
         return kernel.attention(q, k, v, sm_scale, causal, causal_offset)
     return plan
+
+
+def _first_vendor_call(kernel, q, k, v, sm_scale: float, causal: bool, causal_offset: int) -> tuple:
+    """A signature's first call of the vendor kernel serving it: ("took", out); where its backend
+    refuses the call after all, torch's other fused backends: ("other", out) (plain SDPA's pick there:
+    cuDNN takes no training call of one query and one key); where they refuse too, ("own", None). Asked
+    quietly (a refusal's warnings would tell of a path the call does not take); an out-of-memory or a
+    device error is raised, never taken for a refusal."""
+    with quiet_refusals():
+        for how, call in (("took", lambda: kernel.attention(q, k, v, sm_scale, causal, causal_offset)),
+                          ("other", lambda: other_fused_attention(q, k, v, sm_scale, causal))):
+            try:
+                return how, call()
+            except RuntimeError as e:
+                if not is_refusal(e):
+                    raise
+    return "own", None
 
 
 def _other_fused_plan(sm_scale: float, causal: bool):

@@ -203,12 +203,21 @@ def quiet_refusals():
         yield
 
 
+def is_refusal(error: RuntimeError) -> bool:
+    """Whether a RuntimeError from an SDPA backend is its refusal of the call (torch's "No available
+    kernel", a cuDNN frontend error), which another backend may take, rather than an out-of-memory or
+    a device error, which the caller must see."""
+    return not isinstance(error, torch.OutOfMemoryError) and type(error).__name__ != "AcceleratorError" \
+        and "CUDA error" not in str(error)
+
+
 def other_fused_attention(q, k, v, sm_scale: float, causal: bool) -> torch.Tensor:
     """SDPA on torch's flash or memory-efficient backend (torch's own pick between them), for a call
     the backend serving it refused after all (cuDNN takes no training call of one query and one key):
     what plain SDPA runs there, so such a call is never slower than plain SDPA. Differentiable through
-    torch autograd; RuntimeError where both refuse too."""
-    with quiet_refusals(), only_backend(FALLBACK_BACKENDS):
+    torch autograd; RuntimeError where both refuse too (torch warns then: a first call is asked inside
+    `quiet_refusals`)."""
+    with only_backend(FALLBACK_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
@@ -220,7 +229,7 @@ class only_backend:
     __slots__ = ("backends", "previous", "fallback")
 
     def __init__(self, backend):
-        self.backends = tuple(backend) if isinstance(backend, tuple) else (backend,)
+        self.backends = tuple(backend) if isinstance(backend, (tuple, list)) else (backend,)
         self.previous, self.fallback = None, None
 
     def __enter__(self):

@@ -540,3 +540,22 @@ def test_a_vendor_winner_that_refuses_after_all_gives_plain_sdpas_pick_not_the_o
     assert rel_error(out.detach(), want) < 1e-5
     assert _CountedRefusal.asked == 1 and own_asked == []
     api.reset()
+
+
+class _OutOfMemory(SdpaKernel):
+    def attention(self, q, k, v, sm_scale, causal, causal_offset=0):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_an_out_of_memory_in_a_vendor_kernel_is_raised_not_taken_for_a_refusal(monkeypatch, training):
+    """Only a backend's refusal sends a call elsewhere: an out-of-memory (or a device error) is the
+    caller's to see, never remembered as the signature's refusal."""
+    api.reset()
+    failing = _OutOfMemory(sdpa("bwd" if training else "fwd", "flash"))
+    monkeypatch.setattr(Dispatcher, "kernel_for", lambda self, *a, **kw: failing)
+    q, k, v = (t.requires_grad_(training) for t in make_inputs(SHAPE, "cpu", seed=3))
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError):
+            autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
+    api.reset()

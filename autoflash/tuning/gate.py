@@ -141,11 +141,6 @@ def _alignment(kernel: Kernel, gs: Shape, i: int) -> int:
     return off if kernel.takes_causal_offset(gs.causal, off) else causal_offset_for(gs, "top_left")
 
 
-# What torch warns while a forced SDPA backend looks for a kernel it does not have (one warning per
-# reason, per gate shape): the gate records the refusal itself, and a tuning run's progress lines
-# were lost among them.
-
-
 def check(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
     """The correctness gate of a forward, backward or decode kernel (by its op)."""
     if reason := variant_mismatch(kernel, shape):
@@ -155,7 +150,7 @@ def check(kernel: Kernel, shape: Shape, device, seed: int = 0) -> GateResult:
     gate = check_backward if kernel.op == "bwd" else check_forward
     if not kernel.vendor:
         return gate(kernel, shape, device, seed)
-    with quiet_refusals():
+    with quiet_refusals():  # (one warning per reason per gate shape: the gate records the refusal itself)
         return gate(kernel, shape, device, seed)
 
 

@@ -300,20 +300,24 @@ class Kernel:
                            (q, k, v, o, lse, do, dq, dk, dv), outputs=(6, 7, 8), before_launch=ensure_allocator)
 
     def decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
-               sm_count: int = 1, num_splits: int | None = None, compile_only: bool = False):
+               sm_count: int = 1, num_splits: int | None = None, compile_only: bool = False, score_args=None):
         """A decode-family launch: q, o (B, Q, H, D); caches (B, N, H_kv, D) or pages with block_table;
-        seqlens (B,) int32 keys per sequence; lse (B, H, Q) float32. Returns the KV splits used."""
+        seqlens (B,) int32 keys per sequence; lse (B, H, Q) float32. Returns the KV splits used.
+        score_args: the values of the attention variants rendered in (`score_variant.ScoreArgs`)."""
         if self.op != "decode":
             raise TypeError(f"{self.family} is not a decode kernel family")
         ensure_allocator()
         paged = block_table is not None  # (a paged cache's pages are shared by the batch: not sliced)
-        for qc, oc, lc, sc, tc, kc, vc in batch_chunks(q.shape[0], k_cache.shape[2],  # (axis 1: batch x KV heads)
-                                                       q, o, lse, seqlens, block_table,
-                                                       *((None, None) if paged else (k_cache, v_cache))):
+        slopes = score_args.alibi_slopes if score_args is not None and score_args.per_batch() else None
+        for qc, oc, lc, sc, tc, ac, kc, vc in batch_chunks(q.shape[0], k_cache.shape[2],  # (axis 1: batch x KV heads)
+                                                           q, o, lse, seqlens, block_table, slopes,
+                                                           *((None, None) if paged else (k_cache, v_cache))):
             kc, vc = (k_cache, v_cache) if paged else (kc, vc)
+            chunk_args = score_args if ac is None else dataclasses.replace(score_args, alibi_slopes=ac)
             splits = self.host.launch(q=qc, k_cache=kc, v_cache=vc, o=oc, lse=lc, sm_scale=sm_scale, causal=causal,
                                       seqlens=sc, block_table=tc, sm_count=sm_count, num_splits=num_splits,
-                                      compile_only=compile_only, tma_ok=self.uses_tma and tma_compatible(kc, vc))
+                                      compile_only=compile_only, tma_ok=self.uses_tma and tma_compatible(kc, vc),
+                                      score_args=chunk_args)
         return splits
 
     def bind_decode(self, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
@@ -342,7 +346,8 @@ class Kernel:
             else:  # (only the layout matters to the compiler: one page, one table entry per sequence)
                 kd, vd = (t.new_empty((1, page, t.shape[1], t.shape[3])) for t in (k, v))
                 table = torch.zeros((q.shape[0], 1), device=q.device, dtype=torch.int32)
-            self.decode(qd, kd, vd, torch.empty_like(qd), lse, 1.0, causal, seqlens, table, compile_only=True)
+            self.decode(qd, kd, vd, torch.empty_like(qd), lse, 1.0, causal, seqlens, table, compile_only=True,
+                        score_args=score_args)
             return
         ensure_allocator()
         scored = {} if score_args is None else {"score_args": score_args}

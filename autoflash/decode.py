@@ -27,6 +27,7 @@ from autoflash.eager import eager_attention
 from autoflash.problem import unsupported_head_dim, unsupported_scale
 from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (the fallback; tests use it)
 from autoflash.reference import dense_cache
+from autoflash.score_variant import ScoreArgs
 from autoflash.validate import (check_alibi, check_flag, check_softcap, check_window, odd_head_dim_on_gpu,
                                 unsupported_tensors)
 
@@ -48,8 +49,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, variant=None):
     """Drop-in for flash-attn's `flash_attn_with_kvcache` (flash-attn 2.8's signature and positional
     order). Rotary embeddings, the append, cache_batch_idx and cache_leftpad run on the host in torch
-    (`autoflash.kvcache_args`), then the decode kernels; a window, softcap or ALiBi slopes run in
-    torch (one warning).
+    (`autoflash.kvcache_args`), then the decode kernels, a window, softcap or ALiBi slopes rendered
+    into them.
 
     Args:
         q: (batch_size, seqlen_q, nheads, headdim); seqlen_q 1 for decoding, a few for speculative decoding
@@ -116,20 +117,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # the keys each entry sees, as the kernels read them: keys 0 .. total - 1 of a (block-)table
         k_cache, v_cache, block_table, total = kvcache_args.visible_keys(k_cache, v_cache, block_table,
                                                                          cache_batch_idx, cache_leftpad, total)
-        if variants:
-            fall_back(f"{', '.join(variants)} (not served by the decode kernels yet)", to="torch (autoflash.eager)")
+        reason = _unsupported_reason(q, scale) if q.numel() else None
+        if reason is not None and variants:
+            fall_back(reason, to="torch (autoflash.eager)")
             out, lse = _eager_decode(q, k_cache, v_cache, total, block_table, scale, causal, window, softcap,
                                      alibi_slopes)
             return (out, lse) if return_softmax_lse else out
-        reason = _unsupported_reason(q, scale) if q.numel() else None
         if reason is not None:
             _fallback(reason)
             out, lse = torch_decode(q, k_cache, v_cache, total, block_table, scale, causal)
             return (out, lse) if return_softmax_lse else out
         out = torch.empty_like(q_given)
         lse = torch.empty((batch, heads, q_len), device=q.device, dtype=torch.float32)
+        score = ScoreArgs(window=window, softcap=softcap, alibi_slopes=alibi_slopes) if variants else None
         if q.numel():
-            launch(q, k_cache, v_cache, out, lse, scale, causal, total, block_table, num_splits, variant)
+            launch(q, k_cache, v_cache, out, lse, scale, causal, total, block_table, num_splits, variant, score)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -38,9 +38,10 @@ def default_knobs(dtype: torch.dtype, head_dim: int, group: int, q_len: int, seq
     return tuple(sorted(default_variant("decode", problem, gpu_fingerprint()).as_dict().items()))
 
 
-def load_kernel(knobs: dict):
-    """The decode family's compiled `codegen.Kernel` for these knobs (validated against the space)."""
-    return codegen.load(Variant.of(FAMILY, knobs))
+def load_kernel(knobs: dict, score=None):
+    """The decode family's compiled `codegen.Kernel` for these knobs (validated against the space),
+    rendered with the attention variants `score` (a `ScoreVariant`; None: plain)."""
+    return codegen.load(Variant.of(FAMILY, knobs), **({} if score is None or score.plain else {"score": score}))
 
 
 def _served_knobs(q, k_cache, capacity: int, causal: bool, page: int | None, variant) -> dict:
@@ -88,10 +89,13 @@ def _full_lengths(batch: int, n: int, device) -> torch.Tensor:
 decode_plans: dict[tuple, tuple] = {}
 
 
-def launch(q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table, num_splits, variant) -> None:
+def launch(q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table, num_splits, variant,
+           score_args=None) -> None:
+    """score_args: the call's attention variants (`score_variant.ScoreArgs`), rendered into the plain
+    problem's served knobs; such a call is never planned (a bound launch would replay its values)."""
     paged = block_table is not None
     signature = plan = None
-    if variant is None and q.is_cuda:
+    if variant is None and q.is_cuda and score_args is None:
         signature = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
                      block_table.shape if paged else None, block_table.stride() if paged else None,
                      causal, scale, num_splits,
@@ -104,9 +108,12 @@ def launch(q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table, n
         kernel = plan[0]  # (planned, but not bound: through the kernel module)
     else:
         capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
-        kernel = load_kernel(_served_knobs(q, k_cache, capacity, causal, k_cache.shape[1] if paged else None, variant))
+        kernel = load_kernel(_served_knobs(q, k_cache, capacity, causal, k_cache.shape[1] if paged else None, variant),
+                             score_args.variant if score_args is not None else None)
     args = (q, k_cache, v_cache, out, lse, scale, causal, seqlens, block_table)
     options = dict(sm_count=launch_sm_count(q.device), num_splits=num_splits or None)
+    if score_args is not None:
+        options["score_args"] = score_args
     if signature is None or plan is not None:
         kernel.decode(*args, **options)
         return

@@ -494,29 +494,35 @@ def test_a_batch_past_a_grid_axis_decodes_in_chunks(layout, monkeypatch):
     assert torch.allclose(lse_w.nan_to_num(posinf=0.0), lse_c.nan_to_num(posinf=0.0), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("paged, loads", [(False, "pointer"), (True, "pointer"), (False, "tma")])
-def test_decode_kernels_compile_for_sm90(paged, loads, tmp_path):
+@pytest.mark.parametrize("paged, loads, scored", [(False, "pointer", False), (True, "pointer", False),
+                                                   (False, "tma", False), (False, "tma", True), (True, "pointer", True)])
+def test_decode_kernels_compile_for_sm90(paged, loads, scored, tmp_path):
     """The decode family's default compiles for Hopper on any machine (the CPU interpreter cannot see
     a kernel that the GPU compiler refuses): split and combine kernels, contiguous and paged, pointer
-    and TMA loads, in a clean child process (helpers.run_in_clean_process)."""
+    and TMA loads, plain and with every attention variant it computes (window, softcap, ALiBi, sinks),
+    in a clean child process (helpers.run_in_clean_process)."""
     from helpers import run_in_clean_process
 
-    code = f"from tests.test_decode import compile_decode_for_sm90; compile_decode_for_sm90({paged!r}, {loads!r})"
+    code = (f"from tests.test_decode import compile_decode_for_sm90; "
+            f"compile_decode_for_sm90({paged!r}, {loads!r}, {scored!r})")
     done = run_in_clean_process(code, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["_decode_split", "_decode_combine"]
 
 
-def compile_decode_for_sm90(paged: bool, loads: str) -> None:
+def compile_decode_for_sm90(paged: bool, loads: str, scored: bool = False) -> None:
     """(Run by the test above in a clean process.) Capture the launches `launch` would make and
     compile each for sm90; print the kernels' names."""
     from helpers import capture_launches, compile_for_sm90
 
     from autoflash import codegen
+    from autoflash.score_variant import ScoreArgs
 
     variant = Variant.of(decode_kernels.FAMILY, {**dict(decode_kernels.default_knobs(torch.bfloat16, 128, 4, 1, 4096, False)),
                                                  "LOADS": loads})
-    kernel = codegen.load(variant)
+    score_args = ScoreArgs(window=(255, 0), softcap=30.0, alibi_slopes=torch.rand(32),
+                           sinks=torch.rand(32)) if scored else None
+    kernel = codegen.load(variant, **({"score": score_args.variant} if scored else {}))
     module = kernel.module
     launches = capture_launches((module._decode_split, module._decode_combine))
     q = torch.empty(3, 1, 32, 128, dtype=torch.bfloat16)
@@ -524,7 +530,7 @@ def compile_decode_for_sm90(paged: bool, loads: str) -> None:
     kernel.host.launch(q=q, k_cache=cache, v_cache=cache.clone(), o=torch.empty_like(q), lse=torch.empty(3, 32, 1),
                        sm_scale=0.1, causal=False, seqlens=torch.zeros(3, dtype=torch.int32),
                        block_table=torch.zeros(3, 40, dtype=torch.int32) if paged else None,
-                       sm_count=132, compile_only=True, tma_ok=True)
+                       sm_count=132, compile_only=True, tma_ok=True, score_args=score_args)
     assert launches[0][2]["USE_TMA"] == (loads == "tma" and not paged)
     for jit, args, kwargs in launches:
         compile_for_sm90(jit, args, kwargs)

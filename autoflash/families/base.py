@@ -153,9 +153,11 @@ class DecodeFamily(Family):
     @abc.abstractmethod
     def launch(self, *, q, k_cache, v_cache, o, lse, sm_scale: float, causal: bool, seqlens, block_table=None,
                sm_count: int = 1, num_splits: int | None = None, compile_only: bool = False,
-               tma_ok: bool = False) -> int:
+               tma_ok: bool = False, score_args=None) -> int:
         """q, o: (B, Q_LEN, H, D) any strides; k_cache, v_cache: (B, N_max, H_KV, D) or, with
         block_table (B, max_blocks) int32, pages (num_blocks, PAGE_SIZE, H_KV, D), any strides;
         seqlens: (B,) int32 contiguous, keys per sequence; lse: (B, H, Q_LEN) float32 contiguous.
         sm_count: the GPU's SMs; num_splits: a caller's split count (None or 0: the knob's).
-        tma_ok: the caches' strides and alignment allow TMA descriptors. Returns the splits used."""
+        tma_ok: the caches' strides and alignment allow TMA descriptors. score_args: the values of the
+        `score` variants (`score_variant.ScoreArgs`; None: plain), positions bottom-right (query token i
+        at key position i + seqlen - Q_LEN). Returns the splits used."""

@@ -11,6 +11,7 @@ import triton
 
 from autoflash.families._shared.triton_launch import dot_precision, head_block
 from autoflash.families.base import DecodeFamily
+from autoflash.score_variant import NO_SCORE_ARGS
 
 MAX_SPLITS = 128  # flash-attn's cap; also bounds the combine tile
 PAGED_PROGRAMS_PER_SM = 6  # see num_splits_for
@@ -63,13 +64,15 @@ def block_m_for(rows, head_dim):
 
 class TritonDecode(DecodeFamily):
     name = "triton_decode"
+    serves_score_variants = True  # window, softcap, ALiBi, sinks (kernel.py.jinja's SCORE)
+    serves_user_mods = False
 
     def num_splits_for(self, batch, kv_heads, row_tiles, max_seqlen, sm_count, requested=None, paged=False):
         return num_splits_for(self.knobs["BLOCK_N"], self.knobs["NUM_SPLITS"], batch, kv_heads, row_tiles,
                               max_seqlen, sm_count, requested, paged)
 
     def launch(self, *, q, k_cache, v_cache, o, lse, sm_scale, causal, seqlens, block_table=None, sm_count=1,
-               num_splits=None, compile_only=False, tma_ok=False):
+               num_splits=None, compile_only=False, tma_ok=False, score_args=None):
         batch, q_len, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
@@ -78,7 +81,11 @@ class TritonDecode(DecodeFamily):
         block_m = block_m_for(rows, head_dim)
         row_tiles = triton.cdiv(rows, block_m)
         max_seqlen = k_cache.shape[1] * block_table.shape[1] if paged else k_cache.shape[1]
-        splits = self.num_splits_for(batch, kv_heads, row_tiles, max_seqlen, sm_count, num_splits, paged)
+        score_args = score_args or NO_SCORE_ARGS
+        # (a window's splits share only the keys its rows see: split for those)
+        seen = max_seqlen if not self.score.window or score_args.window[0] < 0 else \
+            min(max_seqlen, score_args.window[0] + q_len + self.knobs["BLOCK_N"])
+        splits = self.num_splits_for(batch, kv_heads, row_tiles, seen, sm_count, num_splits, paged)
         block_d = head_block(head_dim)
         if splits > 1:
             o_part = torch.empty((batch, heads, q_len, splits, head_dim), device=q.device, dtype=torch.float32)
@@ -95,6 +102,7 @@ class TritonDecode(DecodeFamily):
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *table_strides, *o.stride(),
             *part_strides, *lse_strides,
             kv_heads, q_len, group, splits, sm_scale, max_seqlen, k_cache.shape[0] if paged else 1,
+            *score_args.kernel_args(self.score),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=block_m,

@@ -207,16 +207,9 @@ def _training_plan(q, k, v, sm_scale: float, causal: bool, causal_offset: int, o
     return vendor_pair
 
 
-DECODE_MAX_QUERY = 16  # query lengths up to this (decoding, speculative decoding) take the decode kernels
-
-
 def _decode_shaped(q, k, causal: bool, causal_offset: int) -> bool:
-    """A decoding step: a few query tokens against a longer cache. The decode kernels hold all the
-    query heads of a KV head in one tile and split the cache across programs (a forward kernel
-    would pad each head's few rows to a 64-128-row tile and stream the cache once per query head).
-    Their causal mask is bottom-right: taken only where the call's mask is the same."""
-    n_q, n_k = q.shape[2], k.shape[2]
-    return n_q <= DECODE_MAX_QUERY and n_k > n_q and (not causal or causal_offset == n_k - n_q)
+    """A decoding step (`decode_kernels.decode_shaped`)."""
+    return decode_kernels.decode_shaped(q.shape[2], k.shape[2], causal, causal_offset)
 
 
 def _vendor_plan(kernel, sm_scale: float, causal: bool, causal_offset: int):

@@ -57,15 +57,29 @@ def _served_knobs(q, k_cache, capacity: int, causal: bool, page: int | None, var
     return knobs
 
 
-def short_query_attention(q, k, v, sm_scale: float, causal: bool):
+DECODE_MAX_QUERY = 16  # query lengths up to this (decoding, speculative decoding) take the decode kernels
+
+
+def decode_shaped(n_q: int, n_k: int, causal: bool, causal_offset: int) -> bool:
+    """A decoding step: a few query tokens against a longer cache. The decode kernels hold all the
+    query heads of a KV head in one tile and split the cache across programs (a forward kernel
+    would pad each head's few rows to a 64-128-row tile and stream the cache once per query head).
+    Their causal mask is bottom-right: taken only where the call's mask is the same."""
+    return n_q <= DECODE_MAX_QUERY and n_k > n_q and (not causal or causal_offset == n_k - n_q)
+
+
+def short_query_attention(q, k, v, sm_scale: float, causal: bool, score_args=None, with_lse: bool = False):
     """`autoflash.attention`'s decoding steps: q (B, H, N_q, D) with a few query tokens, k, v
-    (B, H_kv, N_k, D) the whole cache (any strides); causal bottom-right. Output in q's memory
-    layout. The decode kernels see (B, N, H, D) views: nothing is copied."""
+    (B, H_kv, N_k, D) the whole cache (any strides); causal bottom-right (query i at key position
+    i + N_k - N_q, for a window and ALiBi too: `score_args`, the call's attention variants). Output in
+    q's memory layout (with its LSE (B, H, N_q) float32 when `with_lse`). The decode kernels see
+    (B, N, H, D) views: nothing is copied."""
     qd, kd, vd = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     out = torch.empty_like(qd)
     lse = torch.empty((q.shape[0], q.shape[1], q.shape[2]), device=q.device, dtype=torch.float32)
-    launch(qd, kd, vd, out, lse, sm_scale, causal, _full_lengths(q.shape[0], k.shape[2], q.device), None, 0, None)
-    return out.transpose(1, 2)
+    launch(qd, kd, vd, out, lse, sm_scale, causal, _full_lengths(q.shape[0], k.shape[2], q.device), None, 0, None,
+           score_args)
+    return (out.transpose(1, 2), lse) if with_lse else out.transpose(1, 2)
 
 
 _FULL_LENGTHS: dict[tuple, torch.Tensor] = {}

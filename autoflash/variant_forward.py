@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from autoflash import decode_kernels
 from autoflash.dispatch import get_dispatcher
 from autoflash.kernel_cache import KernelCacheError
 from autoflash.problem import LOG2E
@@ -60,6 +61,11 @@ def serve(q, k, v, dropout_p, scale, causal: bool, offset: int, score: ScoreArgs
             return variant_training.attention(q, k, v, sm_scale, causal, offset, score, deterministic), None
         except KernelCacheError as e:
             return None, f"no usable kernel cache ({e})"
+    if _decoding_step(q, k, v, offset, score):
+        try:
+            return decode_kernels.short_query_attention(q, k, v, sm_scale, causal, score, with_lse=True), None
+        except KernelCacheError as e:
+            return None, f"no usable kernel cache ({e})"
     out = output_like(q, v)  # q's memory layout: (B, N, H, D) inputs, no copy
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     try:
@@ -68,6 +74,15 @@ def serve(q, k, v, dropout_p, scale, causal: bool, offset: int, score: ScoreArgs
         return None, f"no usable kernel cache ({e})"
     kernel.forward(q, k, v, out, lse, sm_scale, causal, offset, score_args=score)
     return (out, lse), None
+
+
+def _decoding_step(q, k, v, offset: int, score: ScoreArgs) -> bool:
+    """A decoding step the decode kernels compute with its variants: a few queries at the end of the
+    keys (query i at key position i + N_k - N_q: the decode kernels' alignment, for the causal mask,
+    the window and ALiBi alike), one head dim, no user score_mod or mask_mod."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    return (decode_kernels.decode_shaped(n_q, n_k, False, 0) and offset == n_k - n_q
+            and v.shape[-1] == q.shape[-1] and not score.variant.user)
 
 
 def serve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, longest_q: int, longest_k: int, scale, causal: bool,

@@ -163,3 +163,32 @@ def test_the_variants_on_the_gpu_in_bf16(layout, variants):
                                  alibi=None if score.alibi_slopes is None else score.alibi_slopes.cpu(),
                                  sinks=None if sinks is None else sinks.cpu()[None, :, None, None])
     close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n_q, variants", [(1, {"window_size": (7, 0)}), (3, {"softcap": 2.0, "window_size": (5, 0)}),
+                                           (2, {"alibi_slopes": "per_head"}), (1, {"sinks": True, "window_size": (9, 0)})])
+def test_decoding_steps_with_variants_run_the_decode_kernels(monkeypatch, n_q, variants):
+    """A model's decoding step with a window, softcap, ALiBi or sinks (the drop-ins and the transformers
+    integration reach `variant_forward.serve`): a few queries at the end of the keys go to the decode
+    kernels (all query heads of a KV head in one tile), not the forward kernel, with the same answer."""
+    from autoflash import variant_forward
+
+    launched = []
+    real = decode_kernels.launch
+    monkeypatch.setattr(decode_kernels, "launch", lambda *a, **kw: launched.append(a[-1]) or real(*a, **kw))
+    g = torch.Generator().manual_seed(14)
+    n_k, heads, kv_heads = 45, 4, 2
+    q = torch.randn(2, heads, n_q, HEAD_DIM, generator=g)
+    k, v = (torch.randn(2, kv_heads, n_k, HEAD_DIM, generator=g) for _ in range(2))
+    values = _values({k_: v_ for k_, v_ in variants.items() if k_ != "sinks"}, 2, heads, g)
+    sinks = torch.randn(heads, generator=g) if variants.get("sinks") else None
+    score = ScoreArgs(window=values.get("window_size", (-1, -1)), softcap=values.get("softcap", 0.0),
+                      alibi_slopes=values.get("alibi_slopes"), sinks=sinks)
+    (out, lse), why = variant_forward.serve(q, k, v, 0.0, None, True, n_k - n_q, score, training=False)
+    assert why is None and len(launched) == 1 and launched[0] is score
+    ref_out, ref_lse = eager_attention(q.double(), k.double(), v.double(), scale=HEAD_DIM ** -0.5, causal=True,
+                                       offset=n_k - n_q, window=score.window, softcap=score.softcap,
+                                       alibi_slopes=None if score.alibi_slopes is None else score.alibi_slopes.double(),
+                                       sinks=None if sinks is None else sinks.double()[None, :, None, None])
+    close(out.transpose(1, 2), lse, ref_out.transpose(1, 2), ref_lse, torch.float32)

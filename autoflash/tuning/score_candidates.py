@@ -1,6 +1,7 @@
 """Which candidates a problem with attention variants (window, softcap, ALiBi, sinks) has: only kernels
-that compute them. Vendor kernels (SDPA's backends) and the decode family compute none, the Gluon
-forward all but a user's score_mod / mask_mod; the backward family computes them with its Triton dK/dV
+that compute them. Vendor kernels (SDPA's backends) compute none, the Gluon forward all but a user's
+score_mod / mask_mod (the decode family too, but a decode problem has no variant key: its plain winner's
+knobs serve the variants); the backward family computes them with its Triton dK/dV
 kernel only (its host launches that one in place of the Gluon dK/dV kernel for a variant: the same
 candidate twice)."""
 
@@ -15,8 +16,8 @@ from autoflash.space import Variant, default_variant, load_space
 
 def computes_score_variants(variant: Variant, score: ScoreVariant) -> bool:
     """Whether a variant's kernel computes the attention variants `score` (window, softcap, ALiBi, sinks, a
-    user's score_mod / mask_mod): its family renders them (not a vendor's, nor decode's; the Gluon forward
-    renders all but a user's functions) and, in the backward, its dK/dV kernel is the Triton one (the
+    user's score_mod / mask_mod): its family renders them (not a vendor's; the Gluon forward and the decode
+    family render all but a user's functions) and, in the backward, its dK/dV kernel is the Triton one (the
     Gluon dK/dV kernel computes none: its host would launch the Triton one instead, the same candidate
     as DKDV_KERNEL = "triton")."""
     if load_space(variant.family).vendor or not families.host_class(variant.family).computes(score):

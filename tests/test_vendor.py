@@ -227,6 +227,27 @@ def test_only_backend_switches_as_torchs_sdpa_kernel_does_and_restores(backend):
     assert _cur_sdpa_kernel_backends() == before
 
 
+def test_only_backend_takes_several_backends_as_torchs_sdpa_kernel_does():
+    """`only_backend((a, b))` (a tuple or a list): the backends `sdpa_kernel([a, b])` leaves enabled,
+    restored on exit; the same through torch's own context where this torch's switches have other names."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends, sdpa_kernel
+
+    from autoflash import vendor
+
+    before = _cur_sdpa_kernel_backends()
+    with sdpa_kernel(list(vendor.FALLBACK_BACKENDS)):
+        theirs = sorted(map(str, _cur_sdpa_kernel_backends()))
+    for switches in (vendor._SWITCHES, None):
+        saved, vendor._SWITCHES = vendor._SWITCHES, switches
+        try:
+            for backends in (vendor.FALLBACK_BACKENDS, list(vendor.FALLBACK_BACKENDS)):
+                with vendor.only_backend(backends):
+                    assert sorted(map(str, _cur_sdpa_kernel_backends())) == theirs
+                assert _cur_sdpa_kernel_backends() == before
+        finally:
+            vendor._SWITCHES = saved
+
+
 @pytest.mark.parametrize("own_ms, served", [(0.99, "vendor"), (0.95, "own")])
 def test_an_own_kernel_serves_over_a_vendor_one_only_beyond_the_tie_margin(tmp_path, own_ms, served):
     """Stored beside a vendor winner at 1.0 ms: an own kernel 1% faster is within the margin (the

@@ -29,7 +29,7 @@ from autoflash.reference import decode_reference as torch_decode  # noqa: F401 (
 from autoflash.reference import dense_cache
 from autoflash.score_variant import ScoreArgs
 from autoflash.validate import (check_alibi, check_flag, check_softcap, check_window, odd_head_dim_on_gpu,
-                                unsupported_tensors)
+                                softcap_out_of_range, unsupported_tensors)
 
 
 # --------------------------------------------------------------------------- fallback
@@ -117,7 +117,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # the keys each entry sees, as the kernels read them: keys 0 .. total - 1 of a (block-)table
         k_cache, v_cache, block_table, total = kvcache_args.visible_keys(k_cache, v_cache, block_table,
                                                                          cache_batch_idx, cache_leftpad, total)
-        reason = _unsupported_reason(q, scale) if q.numel() else None
+        reason = (_unsupported_reason(q, scale) or softcap_out_of_range(softcap, scale)) if q.numel() else None
         if reason is not None and variants:
             fall_back(reason, to="torch (autoflash.eager)")
             out, lse = _eager_decode(q, k_cache, v_cache, total, block_table, scale, causal, window, softcap,

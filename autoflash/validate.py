@@ -13,7 +13,7 @@ import os
 import torch
 
 from autoflash.device import interpreter_enabled, interpreter_numpy_problem
-from autoflash.problem import unsupported_head_dim, unsupported_scale, unsupported_training_scale
+from autoflash.problem import LOG2E, unsupported_head_dim, unsupported_scale, unsupported_training_scale
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -94,6 +94,17 @@ def check_softcap(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: no capping), got {softcap!r}")
     return float(softcap)
+
+
+_FLOAT32_MAX = 3.4e38
+
+
+def softcap_out_of_range(softcap: float, sm_scale: float) -> str | None:
+    """Why the kernels cannot cap scores at `softcap` with this softmax scale (their scale/softcap and
+    softcap constants, in log2 units, must be float32 numbers), or None (0: no softcap)."""
+    if softcap > 0 and not (sm_scale / softcap * 2 * LOG2E < _FLOAT32_MAX and softcap * LOG2E < _FLOAT32_MAX):
+        return f"a softcap of {softcap!r} with a softmax scale of {sm_scale:.3g} is outside float32's range"
+    return None
 
 
 def check_alibi(alibi_slopes, batch: int, heads: int, device) -> None:

@@ -15,11 +15,8 @@ import torch
 from autoflash import decode_kernels
 from autoflash.dispatch import get_dispatcher
 from autoflash.kernel_cache import KernelCacheError
-from autoflash.problem import LOG2E
 from autoflash.score_variant import ScoreArgs
-from autoflash.validate import output_like, softmax_scale_or_default, unsupported_reason
-
-_FLOAT32_MAX = 3.4e38
+from autoflash.validate import output_like, softcap_out_of_range, softmax_scale_or_default, unsupported_reason
 
 
 def unsupported(q, k, v, dropout_p, scale, score: ScoreArgs, training: bool) -> str | None:
@@ -37,11 +34,7 @@ def unsupported(q, k, v, dropout_p, scale, score: ScoreArgs, training: bool) -> 
         return f"sinks of shape {shape} (the kernels take one float logit per query head, ({heads},), on q's device)"
     if score.alibi_slopes is not None and not score.alibi_slopes.dtype.is_floating_point:
         return f"alibi_slopes of dtype {score.alibi_slopes.dtype} (the kernels take float slopes)"
-    if score.softcap > 0:
-        sm_scale = softmax_scale_or_default(scale, q.shape[-1])
-        if not (sm_scale / score.softcap * 2 * LOG2E < _FLOAT32_MAX and score.softcap * LOG2E < _FLOAT32_MAX):
-            return f"a softcap of {score.softcap!r} with a softmax scale of {sm_scale:.3g} is outside float32's range"
-    return None
+    return softcap_out_of_range(score.softcap, softmax_scale_or_default(scale, q.shape[-1]))
 
 
 def serve(q, k, v, dropout_p, scale, causal: bool, offset: int, score: ScoreArgs, training: bool,

@@ -192,3 +192,29 @@ def test_decoding_steps_with_variants_run_the_decode_kernels(monkeypatch, n_q, v
                                        alibi_slopes=None if score.alibi_slopes is None else score.alibi_slopes.double(),
                                        sinks=None if sinks is None else sinks.double()[None, :, None, None])
     close(out.transpose(1, 2), lse, ref_out.transpose(1, 2), ref_lse, torch.float32)
+
+
+@pytest.mark.interpreter
+def test_a_softcap_outside_float32s_range_goes_to_torch_with_a_warning():
+    """The kernels hold softcap and scale/softcap as float32 constants: a softcap they cannot hold is
+    computed in torch (one FallbackWarning), never on the kernels with wrong scores."""
+    q, kc, vc, seqlens, table, keys, values = make_problem((16, 5), 1, 2, 1, HEAD_DIM, 16, "contiguous",
+                                                           torch.float32, seed=15)
+    with pytest.warns(FallbackWarning, match="softcap"):
+        out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, softcap=1e-39, return_softmax_lse=True)
+    close(out, lse, *reference(q, keys, values, (16, 5), False, softcap=1e-39), torch.float32)
+
+
+@pytest.mark.interpreter
+def test_per_batch_alibi_slopes_follow_their_batch_chunks(monkeypatch):
+    """A batch past the grid's axis decodes in chunks: per-(batch, head) slopes go with their chunk."""
+    from autoflash import codegen
+
+    monkeypatch.setattr(codegen, "GRID_AXIS_MAX", 4)  # (two KV heads: two sequences per launch)
+    lengths = (9, 30, 0, 17, 44)
+    q, kc, vc, seqlens, table, keys, values = make_problem(lengths, 2, 4, 2, HEAD_DIM, 48, "contiguous",
+                                                           torch.float32, seed=16)
+    slopes = torch.rand(len(lengths), 4, generator=torch.Generator().manual_seed(17))
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, alibi_slopes=slopes,
+                                       window_size=(12, 0), num_splits=3, return_softmax_lse=True)
+    close(out, lse, *reference(q, keys, values, lengths, True, window=(12, 0), alibi=slopes), torch.float32)

@@ -166,9 +166,12 @@ def test_the_variants_on_the_gpu_in_bf16(layout, variants):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("n_q, variants", [(1, {"window_size": (7, 0)}), (3, {"softcap": 2.0, "window_size": (5, 0)}),
-                                           (2, {"alibi_slopes": "per_head"}), (1, {"sinks": True, "window_size": (9, 0)})])
-def test_decoding_steps_with_variants_run_the_decode_kernels(monkeypatch, n_q, variants):
+@pytest.mark.parametrize("n_q, causal, variants", [
+    (1, True, {"window_size": (7, 0)}), (3, True, {"softcap": 2.0, "window_size": (5, 0)}),
+    (2, True, {"alibi_slopes": "per_head"}), (1, True, {"sinks": True, "window_size": (9, 0)}),
+    (4, False, {"window_size": (6, 2), "alibi_slopes": "per_batch"}),
+    (2, False, {"sinks": True, "softcap": 3.0, "alibi_slopes": "per_head"})])
+def test_decoding_steps_with_variants_run_the_decode_kernels(monkeypatch, n_q, causal, variants):
     """A model's decoding step with a window, softcap, ALiBi or sinks (the drop-ins and the transformers
     integration reach `variant_forward.serve`): a few queries at the end of the keys go to the decode
     kernels (all query heads of a KV head in one tile), not the forward kernel, with the same answer."""
@@ -185,9 +188,9 @@ def test_decoding_steps_with_variants_run_the_decode_kernels(monkeypatch, n_q, v
     sinks = torch.randn(heads, generator=g) if variants.get("sinks") else None
     score = ScoreArgs(window=values.get("window_size", (-1, -1)), softcap=values.get("softcap", 0.0),
                       alibi_slopes=values.get("alibi_slopes"), sinks=sinks)
-    (out, lse), why = variant_forward.serve(q, k, v, 0.0, None, True, n_k - n_q, score, training=False)
+    (out, lse), why = variant_forward.serve(q, k, v, 0.0, None, causal, n_k - n_q, score, training=False)
     assert why is None and len(launched) == 1 and launched[0] is score
-    ref_out, ref_lse = eager_attention(q.double(), k.double(), v.double(), scale=HEAD_DIM ** -0.5, causal=True,
+    ref_out, ref_lse = eager_attention(q.double(), k.double(), v.double(), scale=HEAD_DIM ** -0.5, causal=causal,
                                        offset=n_k - n_q, window=score.window, softcap=score.softcap,
                                        alibi_slopes=None if score.alibi_slopes is None else score.alibi_slopes.double(),
                                        sinks=None if sinks is None else sinks.double()[None, :, None, None])

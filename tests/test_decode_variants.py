@@ -15,7 +15,7 @@ from autoflash.decode import flash_attn_with_kvcache
 from autoflash.eager import eager_attention
 from autoflash.fallback import FallbackWarning
 from autoflash.score_variant import ScoreArgs
-from tests.test_decode import make_problem
+from test_decode import make_problem
 
 LENGTHS = (0, 1, 23, 61, 40)
 HEAD_DIM, CAPACITY = 32, 64
